@@ -1,0 +1,61 @@
+"""The exception tree of bicodec-shm.
+
+::
+
+    Exception
+    ├── ValueError                      bad input from the caller (raised before anything is written)
+    │   └── CheckpointError             a model folder that cannot be loaded
+    └── BiCodecShmError                 base of everything the shared decoder raises
+        ├── DecodeError                 the server could not decode this one request
+        ├── ServerUnavailableError      no live server behind the name (none yet, or it died)
+        │   └── DecodeTimeoutError      the request's deadline passed (also a TimeoutError)
+        ├── SegmentError                the name exists but is not a usable bicodec-shm segment
+        ├── ServerAlreadyRunningError   ``serve`` under a name whose server is alive
+        └── SharedMemoryFullError       /dev/shm lacks room for the segment
+
+Bad input is always a plain ``ValueError`` (or a subclass), so callers that already catch
+``ValueError`` around the seed keep working.
+"""
+
+from __future__ import annotations
+
+
+class BiCodecShmError(Exception):
+    """Base class of every error raised by the shared decoder (not for bad input)."""
+
+
+class CheckpointError(ValueError):
+    """A model folder or checkpoint is missing, malformed, or does not fit the config."""
+
+
+class DecodeError(BiCodecShmError):
+    """The server failed this request; other requests in the same batch were not affected.
+
+    ``code`` is the numeric status the server wrote into the slot (see
+    ``bicodec_shm.transport.Status``) and ``detail`` is its human-readable message.
+    """
+
+    def __init__(self, message: str, *, code: int = 0, detail: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.detail = detail
+
+
+class ServerUnavailableError(BiCodecShmError):
+    """No live decoder server answers under this name, and none came back in time."""
+
+
+class DecodeTimeoutError(ServerUnavailableError, TimeoutError):
+    """The request's timeout expired before its audio arrived (the server may be overloaded)."""
+
+
+class SegmentError(BiCodecShmError):
+    """The shared-memory name exists but is not a bicodec-shm segment of this layout version."""
+
+
+class ServerAlreadyRunningError(BiCodecShmError):
+    """A live server already owns this name; a second one refuses to start."""
+
+
+class SharedMemoryFullError(BiCodecShmError):
+    """/dev/shm has less free space than the segment needs."""

@@ -1,0 +1,76 @@
+"""Shared fixtures: randomly named segments that are always unlinked, and server processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from bicodec_shm.transport import (
+    leftover_objects,
+    process_alive,
+    random_name,
+    read_header,
+    unlink_all,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A fresh segment name; everything under it is unlinked afterwards, pass or fail."""
+    name = random_name("bcshm-test")
+    yield name
+    unlink_all(name)
+    assert leftover_objects(name) == []
+
+
+def wait_until_serving(name: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited early with code {proc.returncode}")
+        h = read_header(name)
+        if h is not None and int(h["serving"]) and int(h["magic"]) and process_alive(
+            int(h["server_pid"]), int(h["server_start"])
+        ):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"server {name} did not start within {timeout} s")
+
+
+def serve_command(name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "bicodec_shm", "serve", "--preset", "tiny", "--seed", "0",
+            "--threads", "1", "--name", name, *extra]  # fmt: skip
+
+
+@pytest.fixture
+def start_server(shm_name: str) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start ``bicodec-shm serve --preset tiny`` under ``shm_name``; stopped afterwards."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*extra: str, wait: bool = True) -> subprocess.Popen:
+        proc = subprocess.Popen(serve_command(shm_name, *extra), cwd=ROOT,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        procs.append(proc)
+        if wait:
+            wait_until_serving(shm_name, proc=proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

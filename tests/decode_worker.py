@@ -1,0 +1,56 @@
+"""A client process for multi-process tests: decode random requests, save them with results.
+
+Usage: python decode_worker.py NAME SEED N_REQUESTS OUT.npz [--async N] [--slots K]
+
+Writes every request's tokens and PCM to OUT.npz (as ``sem_i``, ``glb_i``, ``pcm_i``) and exits
+0 on success. Imports no torch, as a real TTS worker would not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import numpy as np
+
+from bicodec_shm.client import DecoderClient
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("name")
+    p.add_argument("seed", type=int)
+    p.add_argument("n", type=int)
+    p.add_argument("out")
+    p.add_argument("--dtype", default="int16")
+    p.add_argument("--concurrent", type=int, default=1, help="asyncio requests in flight")
+    p.add_argument("--slots", type=int, default=4)
+    args = p.parse_args()
+    rng = np.random.default_rng(args.seed)
+    reqs = [(rng.integers(0, 8192, int(rng.integers(5, 61))), rng.integers(0, 4096, 32))
+            for _ in range(args.n)]  # fmt: skip
+    with DecoderClient(args.name, slots=args.slots, connect_timeout=60, timeout=120) as client:
+        if args.concurrent > 1:
+            async def run():
+                sem = asyncio.Semaphore(args.concurrent)
+
+                async def one(s, g):
+                    async with sem:
+                        return await client.decode_async(s, g, dtype=args.dtype)
+
+                return await asyncio.gather(*(one(s, g) for s, g in reqs))
+
+            results = asyncio.run(run())
+        else:
+            results = [client.decode(s, g, dtype=args.dtype) for s, g in reqs]
+    arrays = {}
+    for i, ((s, g), pcm) in enumerate(zip(reqs, results)):
+        arrays[f"sem_{i}"], arrays[f"glb_{i}"], arrays[f"pcm_{i}"] = s, g, pcm
+    np.savez(args.out, **arrays)
+    assert "torch" not in sys.modules, "a client process imported torch"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

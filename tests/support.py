@@ -1,0 +1,49 @@
+"""Ground truth for tests: the tiny model decoded one item at a time, unpadded."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import numpy as np
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(TESTS, "decode_worker.py")
+
+
+@functools.lru_cache(maxsize=None)
+def reference_model(seed: int = 0):
+    """The same random tiny model the test servers build (``serve --preset tiny --seed 0``)."""
+    import torch
+
+    from bicodec_shm.model import BiCodecDecoder
+
+    torch.set_num_threads(1)
+    return BiCodecDecoder.from_config("tiny", seed=seed)
+
+
+def single_decode(semantic: np.ndarray, global_ids: np.ndarray) -> np.ndarray:
+    """(T,), (32,) -> (320·T,) float32: one item alone, no padding, no batch."""
+    import torch
+
+    model = reference_model()
+    out = model.detokenize(
+        torch.as_tensor(np.asarray(semantic, np.int64))[None],
+        torch.as_tensor(np.asarray(global_ids, np.int64))[None],
+    )
+    return out[0].numpy()
+
+
+def seed_int16(audio: np.ndarray) -> np.ndarray:
+    """The seed's PCM conversion, written out independently of the package."""
+    return (np.clip(audio, -1.0, 1.0) * 32767).astype(np.int16)
+
+
+def random_request(rng: np.random.Generator, min_len: int = 5, max_len: int = 60):
+    n = int(rng.integers(min_len, max_len + 1))
+    return rng.integers(0, 8192, n), rng.integers(0, 4096, 32)
+
+
+def worker_command(*args: str) -> list[str]:
+    return [sys.executable, WORKER, *args]

@@ -74,3 +74,23 @@ def start_server(shm_name: str) -> Iterator[Callable[..., subprocess.Popen]]:
                 proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+@pytest.fixture
+def thread_server(shm_name: str):
+    """Start a ``DecoderServer`` in a thread of the test process (tiny model by default)."""
+    from bicodec_shm.server import DecoderServer
+    from support import reference_model
+
+    started = []
+
+    def start(decoder=None, **kwargs):
+        server = DecoderServer(decoder or reference_model(), shm_name, **kwargs)
+        started.append((server, server.start_thread()))
+        return server
+
+    yield start
+    for server, thread in started:
+        server.stop()
+        thread.join(20)
+        assert not thread.is_alive()

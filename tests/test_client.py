@@ -1,0 +1,227 @@
+"""The client handle: validation before writing, asyncio, threads, backpressure, fork."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+from support import seed_int16, single_decode
+
+from bicodec_shm.client import DecoderClient
+from bicodec_shm.errors import BiCodecShmError, DecodeTimeoutError, ServerUnavailableError
+from bicodec_shm.transport import HOP, SlotState
+
+GLB = list(range(32))
+
+
+def _snapshot(client):
+    seg = client._att.segment
+    return (seg.slots.copy(), seg.tokens.copy(), seg.globals.copy(), int(seg.header["requests"]))
+
+
+BAD_INPUTS = [
+    ("empty semantic ids", [], GLB, "empty"),
+    ("too many tokens", [1] * 1501, GLB, "more than the 1500"),
+    ("31 globals", [1, 2], GLB[:31], "exactly 32"),
+    ("33 globals", [1, 2], GLB + [0], "exactly 32"),
+    ("negative semantic id", [1, -1], GLB, r"semantic_ids\[1\] = -1 is out of range"),
+    ("semantic id 8192", [8192], GLB, r"semantic_ids\[0\] = 8192"),
+    ("global id 4096", [1], [4096] + GLB[1:], r"global_ids\[0\] = 4096"),
+    ("negative global id", [1], [-5] + GLB[1:], r"global_ids\[0\] = -5"),
+    ("float element", [1, 2.0], GLB, r"semantic_ids\[1\] = 2.0 is a float"),
+    ("bool element", [True, 1], GLB, r"semantic_ids\[0\] = True is a bool"),
+    ("None element", [1, None], GLB, "NoneType"),
+    ("str element", ["12"], GLB, "is a str"),
+    ("a string", "1234", GLB, "sequence of int ids"),
+    ("None", None, GLB, "is None"),
+    ("2-D array", np.ones((2, 3), np.int64), GLB, "must be 1-D"),
+    ("nested list", [[1, 2]], GLB, "is a list"),
+    ("float numpy dtype", np.array([1.0, 2.0]), GLB, "integer dtype"),
+    ("NaN", [1, float("nan")], GLB, "is a float"),
+    ("NaN array", np.array([np.nan]), GLB, "integer dtype"),
+    ("int32 overflow", [2**31], GLB, "out of range"),
+    ("int64 overflow", [2**80], GLB, "does not fit"),
+    ("bool numpy dtype", np.array([True]), GLB, "integer dtype"),
+    ("bad output dtype", [1], GLB, "dtype must be"),
+]
+
+
+@pytest.mark.parametrize("label, sem, glb, words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_writes_nothing_and_leaves_the_handle_usable(thread_server, shm_name,
+                                                                      label, sem, glb, words):  # fmt: skip
+    thread_server()
+    with DecoderClient(shm_name) as client:
+        before = _snapshot(client)
+        dtype = "int8" if label == "bad output dtype" else "int16"
+        with pytest.raises(ValueError, match=words):
+            client.decode(sem, glb, dtype=dtype)
+        with pytest.raises(ValueError, match=words):
+            asyncio.run(client.decode_async(sem, glb, dtype=dtype))
+        after = _snapshot(client)
+        for a, b in zip(before, after):
+            assert np.array_equal(a, b), f"{label}: shared memory changed"
+        assert client.decode([1, 2, 3], GLB).shape == (3 * HOP,)
+
+
+def test_tensor_and_numpy_inputs_are_accepted(thread_server, shm_name):
+    import torch
+
+    thread_server()
+    sem = np.arange(10, 40)
+    with DecoderClient(shm_name) as client:
+        a = client.decode(sem, GLB)
+        b = client.decode(torch.as_tensor(sem), torch.as_tensor(GLB))
+        c = client.decode(sem.astype(np.uint16).tolist(), np.array(GLB, np.int32))
+    assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def test_200_concurrent_coroutines_all_complete_correctly(thread_server, shm_name):
+    thread_server(max_batch=16)
+    rng = np.random.default_rng(5)
+    reqs = [(rng.integers(0, 8192, int(rng.integers(2, 12))), rng.integers(0, 4096, 32))
+            for _ in range(200)]  # fmt: skip
+
+    async def main(client):
+        threads_before = threading.active_count()
+        results = await asyncio.gather(*(client.decode_async(s, g) for s, g in reqs))
+        # One waiter thread per handle, never one per request.
+        assert threading.active_count() <= threads_before + 1
+        return results
+
+    with DecoderClient(shm_name, slots=8) as client:
+        results = asyncio.run(main(client))
+        stats = client.get_stats()
+    for (s, g), pcm in zip(reqs, results):
+        assert np.abs(pcm.astype(np.int32) - seed_int16(single_decode(s, g))).max() <= 1
+    assert stats["avg_batch_size"] > 1
+
+
+def test_event_loop_is_never_blocked(thread_server, shm_name):
+    thread_server()
+
+    async def main(client):
+        ticks = 0
+        done = False
+
+        async def ticker():
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        t = asyncio.create_task(ticker())
+        await asyncio.gather(*(client.decode_async([7] * 200, GLB) for _ in range(6)))
+        done = True
+        await t
+        return ticks
+
+    with DecoderClient(shm_name, slots=2) as client:
+        assert asyncio.run(main(client)) > 5
+
+
+def test_more_threads_than_slots_all_complete(thread_server, shm_name):
+    thread_server()
+    rng = np.random.default_rng(6)
+    reqs = [(rng.integers(0, 8192, 8), rng.integers(0, 4096, 32)) for _ in range(24)]
+    results = [None] * len(reqs)
+    with DecoderClient(shm_name, slots=2) as client:
+
+        def run(i):
+            results[i] = client.decode(*reqs[i], dtype="float32")
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    for (s, g), pcm in zip(reqs, results):
+        np.testing.assert_allclose(pcm, single_decode(s, g), atol=1e-5, rtol=0)
+
+
+def test_backpressure_times_out_with_a_clear_error_when_slots_stay_busy(thread_server, shm_name):
+    import time
+
+    class Slow:
+        def __init__(self, model):
+            self.model, self.device, self.config = model, model.device, model.config
+
+        def detokenize(self, *args):
+            time.sleep(1.0)
+            return self.model.detokenize(*args)
+
+    from support import reference_model
+
+    thread_server(Slow(reference_model()))
+    with DecoderClient(shm_name, slots=1) as client:
+        first = threading.Thread(target=client.decode, args=([1, 2], GLB))
+        first.start()
+        time.sleep(0.2)
+        with pytest.raises(DecodeTimeoutError, match="all its slots are busy"):
+            client.decode([1, 2], GLB, timeout=0.3)
+        first.join()
+        # A request that times out waiting for the server frees its slot once answered.
+        with pytest.raises(DecodeTimeoutError, match="alive: it may be overloaded"):
+            client.decode([3, 4], GLB, timeout=0.3)
+        assert client.decode([5, 6], GLB, timeout=10).shape == (2 * HOP,)
+
+
+def test_handle_carried_across_fork_reattaches_with_its_own_slots(thread_server, shm_name):
+    thread_server()
+    client = DecoderClient(shm_name, slots=2)
+    try:
+        parent_slots = set(client._att.owned)
+        r, w = os.pipe()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns about fork() in a process with threads; forking a worker
+            # that holds a handle is exactly what this test is about.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # child: must not use the parent's slots
+            code = 1
+            try:
+                pcm = client.decode([9, 9, 9], GLB)
+                child_slots = set(client._att.owned)
+                ok = pcm.shape == (3 * HOP,) and not (child_slots & parent_slots)
+                code = 0 if ok else 2
+            finally:
+                os.write(w, bytes([code]))
+                os._exit(code)
+        os.close(w)
+        assert os.read(r, 1) == b"\x00"
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert client.decode([9, 9, 9], GLB).shape == (3 * HOP,)  # the parent is unaffected
+        assert set(client._att.owned) == parent_slots
+    finally:
+        client.close()
+
+
+def test_close_gives_slots_back_and_is_idempotent(thread_server, shm_name):
+    server = thread_server()
+    client = DecoderClient(shm_name, slots=3)
+    owned = list(client._att.owned)
+    assert all(server.segment.slots["state"][owned] == SlotState.CLAIMED)
+    client.close()
+    client.close()
+    assert all(server.segment.slots["state"][owned] == SlotState.FREE)
+    with pytest.raises(BiCodecShmError, match="closed"):
+        client.decode([1], GLB)
+
+
+def test_no_server_gives_a_clear_error(shm_name):
+    with pytest.raises(ServerUnavailableError, match="no bicodec-shm server is running"):
+        DecoderClient(shm_name)
+
+
+def test_client_side_imports_no_torch():
+    code = ("import sys, bicodec_shm; from bicodec_shm import DecoderClient, BiCodecBatchDecoder; "
+            "import bicodec_shm.cli, bicodec_shm.client, bicodec_shm.compat; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

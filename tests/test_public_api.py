@@ -1,0 +1,47 @@
+"""The public surface: what `import bicodec_shm` offers, and the error tree."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import bicodec_shm
+from bicodec_shm import errors
+
+PACKAGE = pathlib.Path(bicodec_shm.__file__).parent
+
+
+def test_all_is_sorted_and_every_name_resolves():
+    assert bicodec_shm.__all__ == sorted(bicodec_shm.__all__)
+    for name in bicodec_shm.__all__:
+        assert getattr(bicodec_shm, name) is not None
+
+
+def test_every_public_error_is_exported_and_documented():
+    exported = set(bicodec_shm.__all__)
+    for name in dir(errors):
+        obj = getattr(errors, name)
+        if isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == errors.__name__:
+            assert name in exported, name
+            assert obj.__doc__ and obj.__doc__.strip(), name
+
+
+def test_error_tree_shape():
+    assert issubclass(errors.CheckpointError, ValueError)
+    assert issubclass(errors.DecodeTimeoutError, TimeoutError)
+    assert issubclass(errors.DecodeTimeoutError, errors.ServerUnavailableError)
+    for cls in (errors.DecodeError, errors.ServerUnavailableError, errors.SegmentError,
+                errors.ServerAlreadyRunningError, errors.SharedMemoryFullError):  # fmt: skip
+        assert issubclass(cls, errors.BiCodecShmError)
+
+
+def test_nothing_read_from_shared_memory_is_unpickled_or_executed():
+    forbidden = {"pickle", "marshal", "shelve", "dill", "cloudpickle"}
+    for path in ["transport.py", "server.py", "client.py", "validation.py", "compat.py"]:
+        tree = ast.parse((PACKAGE / path).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not forbidden & {n.split(".")[0] for n in names}, (path, names)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in {"eval", "exec"}, path

@@ -1,0 +1,271 @@
+"""The server on its own: batching, PCM conversion, validation of what it reads, failures."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import serve_command, wait_until_serving
+from support import reference_model, seed_int16, single_decode
+
+from bicodec_shm.client import DecoderClient
+from bicodec_shm.errors import DecodeError, ServerAlreadyRunningError
+from bicodec_shm.server import DecoderServer
+from bicodec_shm.transport import (
+    HOP,
+    Segment,
+    SlotState,
+    Status,
+    leftover_objects,
+    read_header,
+    stats_from_header,
+)
+
+POISON = 4242  # a semantic id that makes PoisonDecoder raise
+
+
+class PoisonDecoder:
+    """The tiny model, except that any batch containing POISON raises (a failing decode)."""
+
+    def __init__(self) -> None:
+        self.model = reference_model()
+        self.device = self.model.device
+        self.config = self.model.config
+        self.calls: list[int] = []
+
+    def detokenize(self, semantic_ids, global_ids, lengths):
+        self.calls.append(semantic_ids.shape[0])
+        for row, n in zip(semantic_ids, lengths):
+            if (row[: int(n)] == POISON).any():
+                raise RuntimeError("poisoned input: CUDA error: device-side assert (simulated)")
+        return self.model.detokenize(semantic_ids, global_ids, lengths)
+
+
+class GatedDecoder(PoisonDecoder):
+    """Blocks each batch until the test opens the gate, so requests pile up into one batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def detokenize(self, semantic_ids, global_ids, lengths):
+        self.gate.wait(30)
+        return super().detokenize(semantic_ids, global_ids, lengths)
+
+
+def _requests(seed, count, lo=5, hi=60):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 8192, int(rng.integers(lo, hi + 1))), rng.integers(0, 4096, 32))
+            for _ in range(count)]  # fmt: skip
+
+
+def _decode_all_concurrently(client, reqs, dtype="int16"):
+    results = [None] * len(reqs)
+
+    def run(i):
+        try:
+            results[i] = client.decode(*reqs[i], dtype=dtype)
+        except Exception as exc:  # collected and asserted by the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_int16_is_the_seeds_exact_conversion(thread_server, shm_name):
+    thread_server()
+    with DecoderClient(shm_name) as client:
+        for sem, glb in _requests(1, 5):
+            pcm = client.decode(sem, glb)
+            assert pcm.dtype == np.int16 and pcm.shape == (HOP * len(sem),)
+            expected = seed_int16(single_decode(sem, glb))
+            assert np.abs(pcm.astype(np.int32) - expected).max() <= 1
+
+
+def test_mixed_lengths_in_one_batch_each_get_their_lone_decode(thread_server, shm_name):
+    decoder = GatedDecoder()
+    server = thread_server(decoder, max_batch=8, max_batch_tokens=None)
+    reqs = _requests(2, 6, lo=3, hi=80)
+    with DecoderClient(shm_name, slots=6) as client:
+        holder = threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set()))
+        holder.start()
+        results = _decode_all_concurrently(client, reqs, dtype="float32")
+        holder.join()
+    assert max(decoder.calls) > 1, decoder.calls  # a real multi-row batch formed
+    for (sem, glb), pcm in zip(reqs, results):
+        np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
+    stats = stats_from_header(server.segment.header)
+    assert stats["requests"] == 6 and stats["failed"] == 0
+    assert stats["padded_tokens"] >= stats["tokens"]
+
+
+def test_a_failing_request_fails_alone_after_split_and_retry(thread_server, shm_name):
+    decoder = GatedDecoder()
+    thread_server(decoder, max_batch=8)
+    reqs = _requests(3, 5)
+    bad = (np.full(20, POISON), np.zeros(32, np.int64))
+    with DecoderClient(shm_name, slots=6) as client:
+        threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set())).start()
+        results = _decode_all_concurrently(client, reqs + [bad], dtype="float32")
+        # The handle and the server keep working afterwards.
+        again = client.decode(*reqs[0], dtype="float32")
+    assert max(decoder.calls) >= 3  # the poison shared a batch with others, which was split
+    assert isinstance(results[-1], DecodeError)
+    assert "poisoned input" in str(results[-1]) and results[-1].code == Status.DECODE_FAILED
+    for (sem, glb), pcm in zip(reqs, results[:-1]):
+        assert isinstance(pcm, np.ndarray), pcm
+        np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(again, results[0], atol=1e-6, rtol=0)
+
+
+class _Rogue:
+    """Writes requests straight into a slot, as a buggy or hostile process could."""
+
+    def __init__(self, name):
+        self.seg = Segment.attach(name)
+        self.slot = next(i for i in range(self.seg.layout.n_slots)
+                         if self.seg.slots["state"][i] == SlotState.FREE and self.seg.try_lock_slot(i))  # fmt: skip
+        self.seg.slots["state"][self.slot] = SlotState.CLAIMED
+
+    def send(self, **fields):
+        s, i = self.seg.slots, self.slot
+        self.seg.tokens[i, :10] = 5
+        self.seg.globals[i] = 5
+        defaults = dict(n_tokens=10, n_global=32, dtype=0, notify=i, status=0,
+                        req_generation=int(s["generation"][i]), request_seq=77)  # fmt: skip
+        defaults.update({k: v for k, v in fields.items() if k in defaults})
+        for k, v in defaults.items():
+            s[k][i] = v
+        if "semantic" in fields:
+            self.seg.tokens[i, : len(fields["semantic"])] = fields["semantic"]
+        if "global_ids" in fields:
+            self.seg.globals[i] = fields["global_ids"]
+        s["state"][i] = fields.get("state", SlotState.READY)
+        self.seg.ready.release()
+        assert self.seg.done[i].acquire(10) is None
+        assert s["state"][i] == SlotState.DONE
+        return int(s["status"][i]), self.seg.error_text(i)
+
+    def close(self):
+        self.seg.close()
+
+
+@pytest.mark.parametrize(
+    "fields, status, words",
+    [
+        (dict(n_tokens=0), Status.BAD_LENGTH, "semantic length 0"),
+        (dict(n_tokens=10**9), Status.BAD_LENGTH, "semantic length 1000000000"),
+        (dict(n_global=31), Status.BAD_GLOBAL, "31 global ids"),
+        (dict(semantic=[1, 2, 9000]), Status.BAD_SEMANTIC_ID, "semantic id 9000 at position 2"),
+        (dict(semantic=[-3]), Status.BAD_SEMANTIC_ID, "semantic id -3 at position 0"),
+        (dict(global_ids=[4096] * 32), Status.BAD_GLOBAL, "global id 4096 at position 0"),
+        (dict(dtype=7), Status.BAD_DTYPE, "unknown output dtype code 7"),
+        (dict(req_generation=12345), Status.STALE_GENERATION, "generation 12345"),
+        (dict(state=99), Status.BAD_STATE, "unknown state value 99"),
+    ],
+)
+def test_a_corrupt_slot_fails_alone_and_names_the_problem(thread_server, shm_name, fields, status, words):
+    thread_server()
+    rogue = _Rogue(shm_name)
+    try:
+        with DecoderClient(shm_name) as client:
+            got_status, text = rogue.send(**fields)
+            assert got_status == status, text
+            assert words in text
+            # Others are served correctly before and after.
+            sem, glb = _requests(4, 1)[0]
+            np.testing.assert_allclose(client.decode(sem, glb, dtype="float32"),
+                                       single_decode(sem, glb), atol=1e-5, rtol=0)  # fmt: skip
+    finally:
+        rogue.close()
+
+
+def test_dead_clients_slots_are_reclaimed_and_late_results_dropped(thread_server, shm_name):
+    server = thread_server(reap_interval=0.1)
+    code = (
+        "import os, signal; from bicodec_shm.client import DecoderClient; "
+        f"c = DecoderClient({shm_name!r}, slots=3); print('ok', flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok" and out.returncode == -signal.SIGKILL
+    seg = server.segment
+    deadline = time.monotonic() + 2.0
+    while (seg.slots["state"] != SlotState.FREE).any():
+        assert time.monotonic() < deadline, seg.slots["state"]
+        time.sleep(0.02)
+    assert stats_from_header(seg.header)["reclaimed"] == 3
+    assert (seg.slots["generation"] >= 0).all() and seg.slots["generation"].sum() == 3
+
+
+def test_second_server_under_a_live_name_is_refused(thread_server, shm_name):
+    thread_server()
+    with pytest.raises(ServerAlreadyRunningError, match="already serving"):
+        DecoderServer(reference_model(), shm_name)
+
+
+def test_sigterm_stops_the_server_and_unlinks_everything(shm_name):
+    proc = subprocess.Popen(serve_command(shm_name), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_serving(shm_name, proc=proc)
+        assert leftover_objects(shm_name)
+        with DecoderClient(shm_name) as client:
+            assert client.decode([1, 2, 3], [0] * 32).shape == (960,)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert leftover_objects(shm_name) == []
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
+def test_a_new_server_takes_over_a_dead_ones_segment(shm_name):
+    proc = subprocess.Popen(serve_command(shm_name), stderr=subprocess.DEVNULL)
+    try:
+        wait_until_serving(shm_name, proc=proc)
+        proc.kill()
+        proc.wait()
+        assert leftover_objects(shm_name)  # SIGKILL left the segment behind
+        stale_pid = int(read_header(shm_name)["server_pid"])
+        server = DecoderServer(reference_model(), shm_name)
+        try:
+            assert int(server.segment.header["server_pid"]) != stale_pid
+        finally:
+            server.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert leftover_objects(shm_name) == []
+
+
+def test_server_validates_its_options(shm_name):
+    with pytest.raises(ValueError, match="max_batch"):
+        DecoderServer(reference_model(), shm_name, max_batch=0)
+    with pytest.raises(ValueError, match="invalid segment name"):
+        DecoderServer(reference_model(), "bad/name")
+
+
+def test_decoder_with_wrong_output_shape_fails_requests_not_the_server(thread_server, shm_name):
+    class Short:
+        device = torch.device("cpu")
+
+        def detokenize(self, s, g, n):
+            return torch.zeros(s.shape[0], 5)
+
+    thread_server(Short())
+    with DecoderClient(shm_name) as client:
+        with pytest.raises(DecodeError, match="decoder returned shape"):
+            client.decode([1, 2], [0] * 32)
+        with pytest.raises(DecodeError):
+            client.decode([1, 2], [0] * 32)

@@ -1,4 +1,4 @@
-"""``bicodec-shm``: serve | stats | demo | cleanup.
+"""``bicodec-shm``: serve | stats | demo | soak | cleanup.
 
 ``main(argv=None) -> int`` is the console script; tests call it in-process.
 """
@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--check", type=int, default=4, help="results to verify locally (default 4)")
     d.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
     d.set_defaults(func=_cmd_demo)
+
+    so = sub.add_parser("soak", help="server + clients for a while with random kills; checks every result")
+    from .soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(so)
+    so.set_defaults(func=_cmd_soak)
 
     c = sub.add_parser("cleanup", help="unlink the objects of a name whose server is dead")
     c.add_argument("name", nargs="?", default=DEFAULT_NAME)
@@ -200,6 +206,12 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     left = leftover_objects(args.name)
     print(f"removed {removed} object(s) of {args.name!r}" + (f"; still there: {left}" if left else ""))
     return 0 if not left else 1
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from .soak import run_and_report
+
+    return run_and_report(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--name", default=DEFAULT_NAME, help="segment name clients attach to")
     _add_server_args(s)
     s.add_argument("--mode", default="0o600", type=_octal,
-                   help="permissions of the shared objects: 0o600 this user, 0o660 also the group")  # fmt: skip
+                   help="permissions: 0o600 this user only, 0o660 also the group")  # fmt: skip
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(func=_cmd_serve)
 

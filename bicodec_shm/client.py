@@ -39,9 +39,20 @@ from .errors import (
     SegmentError,
     ServerUnavailableError,
 )
-from .transport import N_GLOBAL, OutputDtype, Segment, SlotState, Status, stats_from_header
+from .transport import (
+    CLAIMED,
+    DONE,
+    N_GLOBAL,
+    READY,
+    OutputDtype,
+    Segment,
+    SlotState,
+    Status,
+    stats_from_header,
+)
 from .validation import as_token_array, output_dtype_code
 
+_FLOAT32 = int(OutputDtype.FLOAT32)
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_CLIENT_SLOTS = 4
 _SLICE = 0.1  # seconds a waiter sleeps before checking that the server is still alive
@@ -162,7 +173,12 @@ class _Attachment:
                     f"the segment {name!r} exists but its server (pid "
                     f"{int(seg.header['server_pid'])}) is not running"
                 )
-            self.epoch = int(seg.header["server_epoch"])
+            header = seg.header
+            self.epoch = int(header["server_epoch"])
+            # Limits the client validates against, read once.
+            self.semantic_vocab = int(header["semantic_vocab"])
+            self.global_vocab = int(header["global_vocab"])
+            self.max_tokens = int(header["max_tokens"])
             self.owned: list[int] = []
             self.generation: dict[int, int] = {}
             self._claim(n_slots)
@@ -221,7 +237,7 @@ class _Attachment:
         n = semantic.shape[0]
         seg.tokens[slot, :n] = semantic  # payload first ...
         seg.globals[slot] = global_ids
-        slots = seg.slots
+        slots = seg.field
         slots["n_tokens"][slot] = n
         slots["n_global"][slot] = N_GLOBAL
         slots["dtype"][slot] = dtype
@@ -231,29 +247,30 @@ class _Attachment:
         slots["status"][slot] = Status.OK
         slots["t_submit_ns"][slot] = time.monotonic_ns()
         # Order matters: payload and fields above, then the state word, then the post.
-        slots["state"][slot] = SlotState.READY
+        slots["state"][slot] = READY
         seg.ready.release()
 
     def result_ready(self, slot: int, seq: int) -> bool:
-        s = self.segment.slots
-        return int(s["state"][slot]) == SlotState.DONE and int(s["result_seq"][slot]) == seq
+        f = self.segment.field
+        return f["state"][slot] == DONE and f["result_seq"][slot] == seq
 
     def take_result(self, slot: int) -> np.ndarray:
         """Copy a DONE slot's PCM out (or raise its error) and hand the slot back to the pool."""
         seg = self.segment
+        f = seg.field
         try:
-            status = int(seg.slots["status"][slot])
+            status = int(f["status"][slot])
             if status != Status.OK:
                 detail = seg.error_text(slot)
                 name = Status(status).name if status in tuple(Status) else str(status)
                 raise DecodeError(f"server rejected the request ({name}): {detail}",
                                   code=status, detail=detail)  # fmt: skip
-            n = int(seg.slots["n_samples"][slot])
-            if int(seg.slots["dtype"][slot]) == OutputDtype.FLOAT32:
+            n = int(f["n_samples"][slot])
+            if f["dtype"][slot] == _FLOAT32:
                 return seg.pcm_float32(slot, n).copy()
             return seg.pcm_int16(slot, n).copy()
         finally:
-            seg.slots["state"][slot] = SlotState.CLAIMED
+            f["state"][slot] = CLAIMED
             self.pool.give(slot)
 
     def abandon(self, slot: int, seq: int) -> None:
@@ -515,14 +532,11 @@ class DecoderClient:
     def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> tuple:
         if self._closed:
             raise BiCodecShmError("this DecoderClient is closed")
-        att = self._att
-        header = att.segment.header if att is not None else None
-        vocab = int(header["semantic_vocab"]) if header is not None else 8192
-        gvocab = int(header["global_vocab"]) if header is not None else 4096
-        max_tokens = int(header["max_tokens"]) if header is not None else 1500
+        # Limits of the current server (or of the last one, while it is being replaced).
+        vocab, global_vocab, max_tokens = self._limits
         semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=vocab, max_len=max_tokens)
-        globals_ = as_token_array(global_ids, what="global_ids", vocab=gvocab, max_len=N_GLOBAL,
-                                  exact_len=N_GLOBAL)  # fmt: skip
+        globals_ = as_token_array(global_ids, what="global_ids", vocab=global_vocab,
+                                  max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
         return semantic, globals_, output_dtype_code(dtype)
 
     def _deadline(self, timeout: float | None) -> float:
@@ -590,7 +604,9 @@ class DecoderClient:
         """Attach, retrying every slice until ``deadline`` while no live server is found."""
         while True:
             try:
-                return _Attachment(self.name, self.n_slots)
+                att = _Attachment(self.name, self.n_slots)
+                self._limits = (att.semantic_vocab, att.global_vocab, att.max_tokens)
+                return att
             except (ServerUnavailableError, SegmentError) as exc:
                 # SegmentError too: a new server may be half way through creating the segment.
                 if time.monotonic() >= deadline:

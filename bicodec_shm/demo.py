@@ -99,8 +99,8 @@ def run_demo(args: argparse.Namespace) -> int:
         _wait_until_serving(name, server, timeout=600)
         t0 = time.perf_counter()
         for i in range(args.clients):
-            p = ctx.Process(target=client_main, args=(name, i, args.requests, args.min_len,
-                                                      args.max_len, args.seed, checks[i], events))  # fmt: skip
+            client_args = (name, i, args.requests, args.min_len, args.max_len, args.seed, checks[i], events)
+            p = ctx.Process(target=client_main, args=client_args)
             p.start()
             clients.append(p)
         total = args.clients * args.requests
@@ -170,7 +170,8 @@ def _start_server(args: argparse.Namespace, name: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "bicodec_shm", "serve", "--name", name, "--preset", args.preset,
            "--seed", str(args.seed), "--device", args.device, "--slots", str(args.slots),
            "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
-           "--max-batch-tokens", str(args.max_batch_tokens), "--max-tokens", str(args.max_tokens)]  # fmt: skip
+           "--max-batch-tokens", str(args.max_batch_tokens),
+           "--max-tokens", str(args.max_tokens)]  # fmt: skip
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     if args.threads:

@@ -28,16 +28,29 @@ from .batching import (
 )
 from .errors import SegmentError, ServerAlreadyRunningError, ServerUnavailableError
 from .transport import (
+    BUSY,
+    C_BATCHES,
+    C_DECODE,
+    C_FAILED,
+    C_PADDED,
+    C_QUEUE_WAIT,
+    C_RECLAIMED,
+    C_REQUESTS,
+    C_TOKENS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODE,
     DEFAULT_SLOTS,
+    DONE,
+    ERROR_TEXT_BYTES,
+    FREE,
     HIST_BINS,
     HOP,
     MAGIC,
     N_GLOBAL,
+    READY,
+    SLOT_DT,
     OutputDtype,
     Segment,
-    SlotState,
     Status,
     process_alive,
     read_header,
@@ -46,6 +59,10 @@ from .transport import (
 )
 
 log = logging.getLogger("bicodec_shm.server")
+
+_OUTPUT_DTYPES = frozenset(int(d) for d in OutputDtype)
+_FLOAT32 = int(OutputDtype.FLOAT32)
+_SLOT_FIELDS = SLOT_DT.names
 
 DEFAULT_REAP_INTERVAL = 0.25  # seconds; a dead client's slots come back within about this
 
@@ -206,17 +223,17 @@ class DecoderServer:
             return False  # a signal handler ran; the loop re-checks _stop
 
     def _ready_slots(self, seg: Segment) -> list[Pending]:
-        states = seg.slots["state"]
-        bad = np.flatnonzero(states > SlotState.DONE)
-        for slot in bad:
-            self._finish(seg, int(slot), Status.BAD_STATE, 0,
-                         f"slot {slot} has unknown state value {int(states[slot])}")  # fmt: skip
-        idx = np.flatnonzero(states == SlotState.READY)
+        states = seg.field["state"]
+        if (states > DONE).any():
+            for slot in (states > DONE).nonzero()[0].tolist():
+                self._finish(seg, slot, Status.BAD_STATE, 0,
+                             f"slot {slot} has unknown state value {int(states[slot])}")  # fmt: skip
+        idx = (states == READY).nonzero()[0]
         if len(idx) == 0:
             return []
-        lengths = seg.slots["n_tokens"][idx]
-        submitted = seg.slots["t_submit_ns"][idx]
-        return [Pending(int(s), int(n), int(t)) for s, n, t in zip(idx, lengths, submitted)]
+        lengths = seg.field["n_tokens"][idx].tolist()
+        submitted = seg.field["t_submit_ns"][idx].tolist()
+        return [Pending(s, n, t) for s, n, t in zip(idx.tolist(), lengths, submitted)]
 
     def _serve_ready(self, seg: Segment, woke: bool) -> None:
         ready = self._ready_slots(seg)
@@ -230,9 +247,10 @@ class DecoderServer:
         batch = plan_batch(ready, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
         self._consume_posts(len(batch) - int(woke))
         now = time.monotonic_ns()
+        state, started = seg.field["state"], seg.field["t_start_ns"]
         for p in batch:
-            seg.slots["state"][p.slot] = SlotState.BUSY
-            seg.slots["t_start_ns"][p.slot] = now
+            state[p.slot] = BUSY
+            started[p.slot] = now
         self._decode_rows(seg, batch)
 
     def _let_batch_grow(self, seg: Segment, ready: list[Pending]) -> list[Pending]:
@@ -269,18 +287,19 @@ class DecoderServer:
         return False
 
     def _check_slot(self, seg: Segment, slot: int) -> tuple[Status, str] | None:
-        s = seg.slots[slot]
-        n, max_tokens = int(s["n_tokens"]), seg.layout.max_tokens
+        # One read of the whole slot header (a tuple), not one numpy access per field.
+        s = dict(zip(_SLOT_FIELDS, seg.slots[slot].item()))
+        n, max_tokens = s["n_tokens"], seg.layout.max_tokens
         if not 1 <= n <= max_tokens:
             return Status.BAD_LENGTH, f"semantic length {n} is outside 1..{max_tokens}"
-        if int(s["n_global"]) != N_GLOBAL:
-            return Status.BAD_GLOBAL, f"{int(s['n_global'])} global ids, expected {N_GLOBAL}"
-        if int(s["dtype"]) not in tuple(OutputDtype):
-            return Status.BAD_DTYPE, f"unknown output dtype code {int(s['dtype'])}"
-        if int(s["req_generation"]) != int(s["generation"]):
+        if s["n_global"] != N_GLOBAL:
+            return Status.BAD_GLOBAL, f"{s['n_global']} global ids, expected {N_GLOBAL}"
+        if s["dtype"] not in _OUTPUT_DTYPES:
+            return Status.BAD_DTYPE, f"unknown output dtype code {s['dtype']}"
+        if s["req_generation"] != s["generation"]:
             return Status.STALE_GENERATION, (
-                f"request names slot generation {int(s['req_generation'])} but the slot is at "
-                f"{int(s['generation'])} (it was reclaimed)"
+                f"request names slot generation {s['req_generation']} but the slot is at "
+                f"{s['generation']} (it was reclaimed)"
             )
         bad = _first_out_of_range(seg.tokens[slot, :n], self.semantic_vocab)
         if bad is not None:
@@ -320,17 +339,20 @@ class DecoderServer:
     def _run_decoder(self, seg: Segment, rows: list[Pending]) -> np.ndarray:
         """One padded batch through the model; returns (B, 320·T) float32 on the host."""
         longest = rows[0].length
-        slots = np.fromiter((p.slot for p in rows), np.intp, len(rows))
-        semantic = np.zeros((len(rows), longest), np.int64)
-        for j, p in enumerate(rows):
-            semantic[j, : p.length] = seg.tokens[p.slot, : p.length]
-        global_ids = seg.globals[slots].astype(np.int64)
-        lengths = np.fromiter((p.length for p in rows), np.int64, len(rows))
-        # One host->device copy per tensor per batch, and one device->host copy back.
+        if len(rows) == 1:  # the common case at low load: no padding buffer needed
+            semantic = seg.tokens[rows[0].slot, :longest][None]
+            global_ids = seg.globals[rows[0].slot][None]
+        else:
+            semantic = np.zeros((len(rows), longest), np.int32)
+            for j, p in enumerate(rows):
+                semantic[j, : p.length] = seg.tokens[p.slot, : p.length]
+            global_ids = seg.globals[[p.slot for p in rows]]
+        # One host->device copy per tensor per batch (widened to int64 on the way), and one
+        # device->host copy back.
         out = self.decoder.detokenize(
-            torch.from_numpy(semantic).to(self.device),
-            torch.from_numpy(global_ids).to(self.device),
-            torch.from_numpy(lengths).to(self.device),
+            torch.from_numpy(semantic).to(self.device, torch.long),
+            torch.from_numpy(global_ids).to(self.device, torch.long),
+            torch.tensor([p.length for p in rows], dtype=torch.long, device=self.device),
         )
         audio = out.detach().to("cpu", torch.float32).numpy()
         if audio.ndim != 2 or audio.shape[0] != len(rows) or audio.shape[1] < longest * HOP:
@@ -341,50 +363,52 @@ class DecoderServer:
 
     def _write_pcm(self, seg: Segment, p: Pending, row: np.ndarray) -> None:
         n = p.length * HOP
-        if int(seg.slots["dtype"][p.slot]) == OutputDtype.FLOAT32:
+        if seg.field["dtype"][p.slot] == _FLOAT32:
             seg.pcm_float32(p.slot, n)[:] = row[:n]
         else:
             # The seed's exact conversion: clip, scale by 32767 in float32, truncate to int16.
-            scaled = np.clip(row[:n], -1.0, 1.0)
-            scaled *= 32767
+            # In place: ``row`` is this batch's private host copy.
+            scaled = row[:n]
+            np.clip(scaled, -1.0, 1.0, out=scaled)
+            scaled *= np.float32(32767)
             np.copyto(seg.pcm_int16(p.slot, n), scaled, casting="unsafe")
         self._finish(seg, p.slot, Status.OK, n)
 
-    def _finish(self, seg: Segment, slot: int, status: Status, n_samples: int, error: str = "") -> None:
+    def _finish(self, seg: Segment, slot: int, status: int, n_samples: int, error: str = "") -> None:
         """Publish a slot's result and ring its owner's doorbell."""
-        slots = seg.slots
-        notify = int(slots["notify"][slot])
+        f = seg.field
+        notify = int(f["notify"][slot])
         if notify >= seg.layout.n_slots:
             status, error, n_samples = Status.BAD_NOTIFY, f"notify index {notify} out of range", 0
             notify = slot
-        slots["status"][slot] = status
-        slots["n_samples"][slot] = n_samples
-        slots["error"][slot] = error.encode("utf-8")[: slots.dtype["error"].itemsize]
-        slots["result_seq"][slot] = slots["request_seq"][slot]
-        slots["t_done_ns"][slot] = time.monotonic_ns()
-        header = seg.header
-        header["requests"] += 1
+        f["status"][slot] = status
+        f["n_samples"][slot] = n_samples
+        if error or f["error"][slot]:
+            f["error"][slot] = error.encode("utf-8")[:ERROR_TEXT_BYTES]
+        f["result_seq"][slot] = f["request_seq"][slot]
+        f["t_done_ns"][slot] = time.monotonic_ns()
+        seg.counters[C_REQUESTS] += 1
         if status != Status.OK:
-            header["failed"] += 1
+            seg.counters[C_FAILED] += 1
         # Order matters: result fields above, then the state word, then the post, so that the
         # owner never sees DONE with a half-written result.
-        slots["state"][slot] = SlotState.DONE
+        f["state"][slot] = DONE
         seg.done[notify].release()
 
     def _count_batch(self, seg: Segment, rows: list[Pending], elapsed_ns: int) -> None:
-        header = seg.header
-        header["batches"] += 1
-        header["batch_hist"][min(len(rows), HIST_BINS - 1)] += 1
-        header["tokens"] += sum(p.length for p in rows)
-        header["padded_tokens"] += len(rows) * rows[0].length
-        header["decode_ns"] += elapsed_ns
-        starts = seg.slots["t_start_ns"]
-        header["queue_wait_ns"] += sum(max(0, int(starts[p.slot]) - p.submitted_ns) for p in rows)
+        c = seg.counters
+        c[C_BATCHES] += 1
+        c[C_TOKENS] += sum(p.length for p in rows)
+        c[C_PADDED] += len(rows) * rows[0].length
+        c[C_DECODE] += elapsed_ns
+        started = int(seg.field["t_start_ns"][rows[0].slot])  # the same for the whole batch
+        c[C_QUEUE_WAIT] += sum(max(0, started - p.submitted_ns) for p in rows)
+        seg.header["batch_hist"][min(len(rows), HIST_BINS - 1)] += 1
 
     def _fail_pending(self, seg: Segment, message: str) -> None:
         """On a clean stop, answer every queued request rather than leave it to time out."""
-        for slot in np.flatnonzero(seg.slots["state"] == SlotState.READY):
-            self._finish(seg, int(slot), Status.DECODE_FAILED, 0, message)
+        for slot in (seg.field["state"] == READY).nonzero()[0].tolist():
+            self._finish(seg, slot, Status.DECODE_FAILED, 0, message)
 
     # -- reaping ----------------------------------------------------------------------------
 
@@ -395,22 +419,21 @@ class DecoderServer:
         can take that lock, the owner is gone (the kernel dropped the lock when it died).
         """
         seg = self.segment
+        f = seg.field
         reclaimed = 0
-        for slot in np.flatnonzero(seg.slots["state"] != SlotState.FREE):
-            slot = int(slot)
+        for slot in (f["state"] != FREE).nonzero()[0].tolist():
             if not seg.try_lock_slot(slot):
                 continue  # owner alive
             try:
-                slots = seg.slots
-                slots["generation"][slot] += 1  # a late result can never match the next owner
-                slots["owner_pid"][slot] = 0
-                slots["state"][slot] = SlotState.FREE
+                f["generation"][slot] += 1  # a late result can never match the next owner
+                f["owner_pid"][slot] = 0
+                f["state"][slot] = FREE
                 _drain(seg.done[slot])
                 reclaimed += 1
             finally:
                 seg.unlock_slot(slot)
         if reclaimed:
-            seg.header["reclaimed"] += reclaimed
+            seg.counters[C_RECLAIMED] += reclaimed
             log.info("reclaimed %d slot(s) of dead clients", reclaimed)
         return reclaimed
 
@@ -461,6 +484,8 @@ def _create_or_take_over(name: str, **kwargs: Any) -> Segment:
 
 
 def _first_out_of_range(ids: np.ndarray, vocab: int) -> tuple[int, int] | None:
+    if len(ids) == 0 or (ids.min() >= 0 and ids.max() < vocab):
+        return None  # the common case, without allocating a mask
     bad = np.flatnonzero((ids < 0) | (ids >= vocab))
     if len(bad) == 0:
         return None

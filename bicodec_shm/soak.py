@@ -146,8 +146,10 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
             spawn(k)
             logs.append((clients[k][1], False))
         t0 = time.monotonic()
-        next_client_kill = t0 + rng.uniform(0.2, 2 * args.kill_every) if args.kill_every else float("inf")
-        next_server_kill = t0 + rng.uniform(0.5, 1.5) * args.kill_server_every if args.kill_server_every else float("inf")  # fmt: skip
+        never = float("inf")
+        next_client_kill = t0 + rng.uniform(0.2, 2 * args.kill_every) if args.kill_every else never
+        server_every = args.kill_server_every
+        next_server_kill = t0 + rng.uniform(0.5, 1.5) * server_every if server_every else never
         with tqdm(total=int(args.duration), desc="soak", unit="s", file=sys.stderr) as bar:
             while (now := time.monotonic()) < t0 + args.duration:
                 if now >= next_client_kill:

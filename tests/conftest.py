@@ -79,8 +79,9 @@ def start_server(shm_name: str) -> Iterator[Callable[..., subprocess.Popen]]:
 @pytest.fixture
 def thread_server(shm_name: str):
     """Start a ``DecoderServer`` in a thread of the test process (tiny model by default)."""
-    from bicodec_shm.server import DecoderServer
     from support import reference_model
+
+    from bicodec_shm.server import DecoderServer
 
     started = []
 

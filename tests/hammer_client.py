@@ -26,8 +26,9 @@ def main(name: str, seed: int) -> None:
 
     async def async_loop():
         while True:
-            await asyncio.gather(*(client.decode_async(rng.integers(0, 8192, int(rng.integers(1, 80))),
-                                                       rng.integers(0, 4096, 32)) for _ in range(3)))  # fmt: skip
+            reqs = [(rng.integers(0, 8192, int(rng.integers(1, 80))), rng.integers(0, 4096, 32))
+                    for _ in range(3)]  # fmt: skip
+            await asyncio.gather(*(client.decode_async(s, g) for s, g in reqs))
 
     asyncio.run(async_loop())
 

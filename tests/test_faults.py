@@ -127,7 +127,8 @@ def _waiters(name, timeout, outcomes, n_threads=3, n_async=3):
         async def one(i):
             t0 = time.monotonic()
             try:
-                outcomes.append((i, time.monotonic() - t0, await client.decode_async(*reqs[i], dtype="float32")))
+                pcm = await client.decode_async(*reqs[i], dtype="float32")
+                outcomes.append((i, time.monotonic() - t0, pcm))
             except Exception as exc:
                 outcomes.append((i, time.monotonic() - t0, exc))
 

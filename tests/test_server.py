@@ -133,8 +133,8 @@ class _Rogue:
 
     def __init__(self, name):
         self.seg = Segment.attach(name)
-        self.slot = next(i for i in range(self.seg.layout.n_slots)
-                         if self.seg.slots["state"][i] == SlotState.FREE and self.seg.try_lock_slot(i))  # fmt: skip
+        free = (self.seg.slots["state"] == SlotState.FREE).nonzero()[0].tolist()
+        self.slot = next(i for i in free if self.seg.try_lock_slot(i))
         self.seg.slots["state"][self.slot] = SlotState.CLAIMED
 
     def send(self, **fields):

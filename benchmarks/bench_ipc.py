@@ -1,0 +1,739 @@
+"""Round-trip latency of bicodec-shm against the IPC it replaces and the floor beneath it.
+
+What it measures: the wall time of one synchronous request/reply between two processes, timed
+one round trip at a time with ``time.perf_counter()``. The request is 50 int32 semantic tokens
+plus 32 int32 global tokens; the reply is 16 000 int16 samples (50 tokens x 320 samples).
+
+Against what (all four run in one invocation, interleaved round by round so that a noisy
+machine slows every transport alike):
+
+1. ``semaphore floor``: two processes ping-ponging a pair of POSIX semaphores (posix_ipc), no
+   payload. Every bicodec-shm round trip contains exactly this hand-off, so nothing built on
+   it can be faster.
+2. ``bicodec-shm``: a ``DecoderClient.decode()`` call in this process (which never imports
+   torch) against a ``DecoderServer`` in a spawned process whose decoder is a no-op returning
+   ``torch.zeros(B, 320*T)``. What remains is the package's own overhead.
+3. ``multiprocessing.Pipe``: the same payloads as numpy arrays, pickled through a Pipe to an
+   echo process that answers with a zero int16 array of 16 000 samples.
+4. ``multiprocessing.Queue``: the same, through a pair of Queues (feeder thread + pipe).
+
+Beside the wall-time percentiles, the table gives the CPU time each side spent per round trip
+("cpu here": this process, all threads; "cpu peer": the child, from /proc/PID/task/*/schedstat).
+CPU time depends far less than wall time on what else the machine runs (though cache misses
+still inflate it there), so it is the column to compare across runs on a shared machine, where
+wall time is dominated by waiting for a core.
+
+Targets (from the issue): bicodec-shm's median within 1.5x the floor's, and the Queue's median
+at least 3x bicodec-shm's. The table says, for each, what was measured and whether it was met.
+
+Usage::
+
+    python benchmarks/bench_ipc.py                 # 2000 round trips per transport
+    python benchmarks/bench_ipc.py --quick         # a few seconds, for a smoke check
+    python benchmarks/bench_ipc.py --profile out   # also cProfile a separate bicodec-shm run
+
+Results are printed as a table and written as JSON (default ``benchmarks/out/bench_ipc.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import importlib.metadata
+import io
+import json
+import multiprocessing as mp
+import multiprocessing.context
+import os
+import platform
+import pstats
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import posix_ipc
+from tqdm import tqdm
+
+from bicodec_shm.client import DecoderClient
+from bicodec_shm.errors import SegmentError, ServerUnavailableError
+from bicodec_shm.transport import leftover_objects, random_name, read_header, unlink_all
+
+N_TOKENS = 50
+N_GLOBAL = 32
+HOP = 320
+N_SAMPLES = N_TOKENS * HOP  # 16 000 int16 samples = 1 s at 16 kHz
+N_REQUESTS = 256  # distinct pre-generated requests, cycled through
+SERVER_SLOTS = 8  # the client claims 4 (its default); 8 keeps the segment at ~15 MiB
+SERVER_MAX_BATCH = 16
+REPLY_TIMEOUT = 60.0  # seconds; generous because the first reply waits for a child to start
+DECODE_TIMEOUT = 10.0  # seconds; a no-op decode takes well under 1 ms, even on a busy machine
+START_TIMEOUT = 120.0  # seconds for the server child to import torch and create its segment
+
+TARGET_FLOOR_RATIO = 1.5  # bicodec-shm median <= 1.5 x the semaphore floor's
+TARGET_QUEUE_SPEEDUP = 3.0  # Queue median >= 3 x bicodec-shm's
+
+FLOOR = "semaphore floor"
+SHM = "bicodec-shm"
+PIPE = "multiprocessing.Pipe"
+QUEUE = "multiprocessing.Queue"
+TRANSPORTS = (FLOOR, SHM, PIPE, QUEUE)
+
+Request = tuple[np.ndarray, np.ndarray]
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes (module level so that the spawn context can import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def _child_setup(on_orphan: Callable[[], None] | None = None) -> None:
+    """Leave Ctrl-C to the parent, which stops children in order; exit if it dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = mp.parent_process()
+    assert parent is not None, "only for processes started by multiprocessing"
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's end of a pipe closes: when it exits or dies
+        (on_orphan or (lambda: os._exit(1)))()
+
+    threading.Thread(target=watch, daemon=True, name="bench-orphan-watch").start()
+
+
+class _NoopDecoder:
+    """A decoder that costs nothing: (B, T) tokens -> (B, 320·T) zeros on the CPU."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+
+    def detokenize(self, semantic_ids: Any, global_ids: Any, lengths: Any) -> Any:
+        """(B, T) long, (B, 32) long, (B,) long -> (B, 320·T) float32 zeros."""
+        b, t = semantic_ids.shape
+        return self._torch.zeros(b, HOP * t)
+
+
+def _serve_noop(name: str, slots: int, max_batch: int, profile_path: str | None) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from bicodec_shm.server import DecoderServer
+
+    server = DecoderServer(_NoopDecoder(), name, slots=slots, max_batch=max_batch)
+    # serve_forever replaces _child_setup's SIGINT handler with its own (stop, then unlink), so
+    # Ctrl-C, the parent's SIGTERM and an orphaned server all end in a clean unlink.
+    _child_setup(on_orphan=server.stop)
+    if profile_path is None:
+        server.serve_forever()
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        server.serve_forever()
+    finally:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
+
+
+def _semaphore_echo(ping_name: str, pong_name: str, count: int) -> None:
+    ping, pong = posix_ipc.Semaphore(ping_name), posix_ipc.Semaphore(pong_name)
+
+    def orphaned() -> None:
+        # The parent died without its finally blocks (SIGKILL): remove its semaphores.
+        for sem_name in (ping_name, pong_name):
+            with contextlib.suppress(posix_ipc.Error):
+                posix_ipc.unlink_semaphore(sem_name)
+        os._exit(1)
+
+    _child_setup(on_orphan=orphaned)
+    try:
+        for _ in range(count):
+            ping.acquire()
+            pong.release()
+        # Exit only when the parent says so (one more post): exiting right after the last
+        # round trip would add the interpreter's teardown to the CPU time measured for us.
+        with contextlib.suppress(posix_ipc.BusyError):
+            ping.acquire(REPLY_TIMEOUT)
+    finally:
+        ping.close()
+        pong.close()
+
+
+def _queue_echo(requests: Any, replies: Any) -> None:
+    _child_setup()
+    while requests.get() is not None:
+        replies.put(np.zeros(N_SAMPLES, np.int16))
+
+
+def _pipe_echo(conn: Any) -> None:
+    _child_setup()
+    try:
+        while conn.recv() is not None:
+            conn.send(np.zeros(N_SAMPLES, np.int16))
+    except EOFError:
+        pass  # the parent went away
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent's side of each transport
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Peer:
+    """A running transport: ``roundtrip(request)`` sends one request and returns the reply."""
+
+    roundtrip: Callable[[Request], Any]
+    children: list[mp.process.BaseProcess] = field(default_factory=list)
+    shm_names: list[str] = field(default_factory=list)
+    counters: Callable[[], dict[str, int]] | None = None
+
+
+def _stop_child(proc: mp.process.BaseProcess, *, timeout: float = 10.0) -> None:
+    """Wait for a child asked to exit; escalate to SIGTERM, then SIGKILL."""
+    if proc.pid is None:
+        return  # never started
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def _check_clean(name: str) -> None:
+    left = leftover_objects(name)
+    if left:
+        unlink_all(name)
+        raise RuntimeError(f"/dev/shm objects left behind under {name!r}: {left}")
+
+
+@contextlib.contextmanager
+def semaphore_peer(ctx: mp.context.BaseContext, *, total: int) -> Iterator[Peer]:
+    """Ping-pong a pair of POSIX semaphores with a child, ``total`` times in all."""
+    base = random_name("bcshm-bench")
+    ping_name, pong_name = f"/{base}.ping", f"/{base}.pong"
+    ping = pong = None
+    proc = ctx.Process(target=_semaphore_echo, args=(ping_name, pong_name, total),
+                       name="bench-semaphore-echo", daemon=True)  # fmt: skip
+    try:
+        ping = posix_ipc.Semaphore(ping_name, posix_ipc.O_CREX, 0o600, 0)
+        pong = posix_ipc.Semaphore(pong_name, posix_ipc.O_CREX, 0o600, 0)
+        proc.start()
+        # Timed wait, as DecoderClient's: a dead child raises BusyError instead of hanging.
+        release, acquire = ping.release, pong.acquire
+
+        def roundtrip(_request: Request) -> None:
+            release()
+            acquire(REPLY_TIMEOUT)
+
+        yield Peer(roundtrip, children=[proc], shm_names=[base])
+    finally:
+        if ping is not None and proc.pid is not None:
+            ping.release()  # "exit now"; a child still short of its count exits on SIGTERM
+        _stop_child(proc, timeout=2.0)
+        for sem, sem_name in ((ping, ping_name), (pong, pong_name)):
+            if sem is not None:
+                sem.close()
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_semaphore(sem_name)
+        _check_clean(base)
+
+
+@contextlib.contextmanager
+def bicodec_shm_peer(ctx: mp.context.BaseContext, *, total: int = 0,
+                     profile_path: str | None = None) -> Iterator[Peer]:  # fmt: skip
+    """A no-op ``DecoderServer`` in a spawned child and a ``DecoderClient`` here."""
+    del total  # the server runs until stopped
+    name = random_name("bcshm-bench")
+    proc = ctx.Process(target=_serve_noop, name="bench-decoder-server", daemon=True,
+                       args=(name, SERVER_SLOTS, SERVER_MAX_BATCH, profile_path))  # fmt: skip
+    client: DecoderClient | None = None
+    try:
+        proc.start()
+        client = _connect(name, proc)
+
+        def counters() -> dict[str, int]:
+            h = read_header(name)
+            if h is None:
+                return {}
+            keys = ("requests", "batches", "queue_wait_ns", "decode_ns")
+            return {k: int(h[k]) for k in keys}
+
+        decode = client.decode
+
+        def roundtrip(request: Request) -> np.ndarray:
+            return decode(request[0], request[1])
+
+        yield Peer(roundtrip, children=[proc], shm_names=[name], counters=counters)
+    finally:
+        if client is not None:
+            client.close()
+        if proc.pid is not None and proc.is_alive():
+            proc.terminate()  # SIGTERM: the server finishes its batch, then unlinks everything
+        _stop_child(proc)
+        unlink_all(name)  # in case the server died without cleaning up
+        _check_clean(name)
+
+
+def _connect(name: str, proc: mp.process.BaseProcess) -> DecoderClient:
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        try:
+            return DecoderClient(name, timeout=DECODE_TIMEOUT)
+        except (ServerUnavailableError, SegmentError):
+            if not proc.is_alive():
+                raise RuntimeError(f"the decoder server exited with code {proc.exitcode}") from None
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def pipe_peer(ctx: mp.context.BaseContext, *, total: int = 0) -> Iterator[Peer]:
+    """Pickle requests and replies through one duplex ``multiprocessing.Pipe``."""
+    del total
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_pipe_echo, args=(there,), name="bench-pipe-echo", daemon=True)
+    try:
+        proc.start()
+        there.close()  # so that the child's exit shows here as EOF
+        send, recv = here.send, here.recv
+
+        def roundtrip(request: Request) -> np.ndarray:
+            send(request)
+            return recv()  # no timeout needed: a dead child shows as EOFError
+
+        yield Peer(roundtrip, children=[proc])
+    finally:
+        with contextlib.suppress(OSError):
+            here.send(None)
+        _stop_child(proc)
+        here.close()
+        there.close()
+
+
+@contextlib.contextmanager
+def queue_peer(ctx: mp.context.BaseContext, *, total: int = 0) -> Iterator[Peer]:
+    """Pickle requests and replies through two ``multiprocessing.Queue`` objects."""
+    del total
+    requests, replies = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_queue_echo, args=(requests, replies), name="bench-queue-echo",
+                       daemon=True)  # fmt: skip
+    try:
+        proc.start()
+        put, get = requests.put, replies.get
+
+        def roundtrip(request: Request) -> np.ndarray:
+            put(request)
+            # A Queue never sees its peer die, so it needs a timeout; it costs one poll().
+            return get(timeout=REPLY_TIMEOUT)
+
+        yield Peer(roundtrip, children=[proc])
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            requests.put(None)
+        _stop_child(proc)
+        for q in (requests, replies):
+            q.cancel_join_thread()  # never block exit on a feeder thread with nobody reading
+            q.close()
+
+
+PEERS: dict[str, Callable[..., contextlib.AbstractContextManager[Peer]]] = {
+    FLOOR: semaphore_peer,
+    SHM: bicodec_shm_peer,
+    PIPE: pipe_peer,
+    QUEUE: queue_peer,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def make_requests(n: int = N_REQUESTS, *, seed: int = 0) -> list[Request]:
+    """``n`` random requests: (50,) int32 semantic ids and (32,) int32 global ids."""
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.integers(0, 8192, N_TOKENS).astype(np.int32),
+         rng.integers(0, 4096, N_GLOBAL).astype(np.int32))
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def _check_reply(transport: str, reply: Any) -> None:
+    if transport == FLOOR:
+        return
+    ok = isinstance(reply, np.ndarray) and reply.dtype == np.int16 and reply.shape == (N_SAMPLES,)
+    if not ok:
+        got = f"{type(reply).__name__} {getattr(reply, 'dtype', '')} {getattr(reply, 'shape', '')}"
+        raise RuntimeError(f"{transport} replied with {got}, expected ({N_SAMPLES},) int16")
+
+
+def _timed(roundtrip: Callable[[Request], Any], requests: list[Request], start: int, n: int,
+           out: list[float]) -> None:  # fmt: skip
+    """Append ``n`` individually timed round trips (seconds) to ``out``."""
+    clock = time.perf_counter
+    k = len(requests)
+    for i in range(start, start + n):
+        request = requests[i % k]
+        t0 = clock()
+        roundtrip(request)
+        out.append(clock() - t0)
+
+
+def _children_cpu(children: list[mp.process.BaseProcess]) -> float | None:
+    """CPU seconds used so far by every thread of ``children``, or None where unknown.
+
+    Read from /proc/PID/task/TID/schedstat (nanoseconds on CPU) rather than psutil's
+    cpu_times, which counts in 10 ms clock ticks: too coarse for a few hundred round trips.
+    """
+    total_ns = 0
+    for proc in children:
+        try:
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
+                    total_ns += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+    return total_ns / 1e9
+
+
+def bench_all(transports: tuple[str, ...] = TRANSPORTS, *, iterations: int, warmup: int,
+              rounds: int, progress: bool = True) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Time ``iterations`` round trips of each transport, interleaved in ``rounds`` rounds.
+
+    Returns, per transport: ``samples`` (seconds, in order); ``client_cpu_s`` and
+    ``server_cpu_s``, the CPU time this process and the transport's child used over the timed
+    round trips (less sensitive than wall time to what else the machine runs);
+    and, for bicodec-shm, ``server``, the deltas of the server's own counters.
+    """
+    unknown = set(transports) - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown transports {sorted(unknown)}; choose from {list(PEERS)}")
+    if iterations < 1 or warmup < 0 or rounds < 1:
+        raise ValueError("iterations and rounds must be >= 1 and warmup >= 0")
+    rounds = min(rounds, iterations)
+    ctx = mp.get_context("spawn")
+    requests = make_requests()
+    warm = max(1, warmup)  # at least one, to wait for every child and check its reply
+    samples: dict[str, list[float]] = {t: [] for t in transports}
+    done = dict.fromkeys(transports, 0)
+    client_cpu = dict.fromkeys(transports, 0.0)
+    results: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        peers = {t: stack.enter_context(PEERS[t](ctx, total=warm + iterations))
+                 for t in transports}  # fmt: skip
+        # Warm-up, which also waits for every child to be up and checks each reply once.
+        for t, peer in peers.items():
+            _check_reply(t, peer.roundtrip(requests[0]))
+            _timed(peer.roundtrip, requests, 1, warm - 1, [])
+        before = {t: p.counters() for t, p in peers.items() if p.counters}
+        child_cpu = {t: _children_cpu(p.children) for t, p in peers.items()}
+        bar = tqdm(total=iterations * len(transports), desc="round trips", unit="rt",
+                   file=sys.stderr, disable=not progress, leave=False)  # fmt: skip
+        with bar:
+            for r in range(rounds):
+                # Rotate the order so that no transport always runs right after another one.
+                order = transports[r % len(transports) :] + transports[: r % len(transports)]
+                for t in order:
+                    n = iterations * (r + 1) // rounds - done[t]
+                    # process_time: all threads, so that Queue's feeder thread is counted.
+                    cpu0 = time.process_time()
+                    _timed(peers[t].roundtrip, requests, warm + done[t], n, samples[t])
+                    client_cpu[t] += time.process_time() - cpu0
+                    done[t] += n
+                    bar.update(n)
+        for t, peer in peers.items():
+            cpu0, cpu1 = child_cpu[t], _children_cpu(peer.children)
+            results[t] = {
+                "samples": samples[t],
+                "shm_names": peer.shm_names,
+                "client_cpu_s": client_cpu[t],
+                "server_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+            }
+            if peer.counters:
+                after = peer.counters()
+                results[t]["server"] = {k: after[k] - before[t].get(k, 0) for k in after}
+    # Only now (after the ExitStack stopped them) are exit codes final.
+    for t, peer in peers.items():
+        results[t]["exitcodes"] = [p.exitcode for p in peer.children]
+    return results
+
+
+def bench_semaphore_floor(*, iterations: int = 2000, warmup: int = 200) -> list[float]:
+    """Seconds per round trip of the semaphore ping-pong alone."""
+    return bench_all((FLOOR,), iterations=iterations, warmup=warmup, rounds=1)[FLOOR]["samples"]
+
+
+def bench_bicodec_shm(*, iterations: int = 2000, warmup: int = 200) -> list[float]:
+    """Seconds per ``DecoderClient.decode`` round trip against a no-op server."""
+    return bench_all((SHM,), iterations=iterations, warmup=warmup, rounds=1)[SHM]["samples"]
+
+
+def bench_pipe(*, iterations: int = 2000, warmup: int = 200) -> list[float]:
+    """Seconds per round trip through ``multiprocessing.Pipe``."""
+    return bench_all((PIPE,), iterations=iterations, warmup=warmup, rounds=1)[PIPE]["samples"]
+
+
+def bench_queue(*, iterations: int = 2000, warmup: int = 200) -> list[float]:
+    """Seconds per round trip through ``multiprocessing.Queue``."""
+    return bench_all((QUEUE,), iterations=iterations, warmup=warmup, rounds=1)[QUEUE]["samples"]
+
+
+def summarize(result: dict[str, Any]) -> dict[str, float | None]:
+    """Order statistics of round-trip times and CPU time per round trip, in microseconds."""
+    us = np.asarray(result["samples"]) * 1e6
+    p10, p50, p90, p99 = np.percentile(us, [10, 50, 90, 99])
+
+    def per_rt(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1e6 / us.size
+
+    return {"n": int(us.size), "median_us": float(p50), "p10_us": float(p10),
+            "p90_us": float(p90), "p99_us": float(p99), "mean_us": float(us.mean()),
+            "min_us": float(us.min()), "max_us": float(us.max()),
+            "client_cpu_us": per_rt(result.get("client_cpu_s")),
+            "server_cpu_us": per_rt(result.get("server_cpu_s"))}  # fmt: skip
+
+
+def compare(stats: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Ratios of medians and the issue's two targets, where both sides were measured."""
+    med = {t: s["median_us"] for t, s in stats.items()}
+    out: dict[str, Any] = {"vs_floor": {}, "vs_bicodec_shm": {}, "targets": {}}
+    for t, m in med.items():
+        if FLOOR in med:
+            out["vs_floor"][t] = m / med[FLOOR]
+        if SHM in med:
+            out["vs_bicodec_shm"][t] = m / med[SHM]
+    if SHM in med and FLOOR in med:
+        ratio = med[SHM] / med[FLOOR]
+        out["targets"]["bicodec_shm_within_floor"] = {
+            "goal": f"bicodec-shm median <= {TARGET_FLOOR_RATIO}x semaphore floor",
+            "measured": ratio, "met": ratio <= TARGET_FLOOR_RATIO}  # fmt: skip
+    if SHM in med and QUEUE in med:
+        ratio = med[QUEUE] / med[SHM]
+        out["targets"]["faster_than_queue"] = {
+            "goal": f"Queue median >= {TARGET_QUEUE_SPEEDUP}x bicodec-shm",
+            "measured": ratio, "met": ratio >= TARGET_QUEUE_SPEEDUP}  # fmt: skip
+    return out
+
+
+def server_breakdown(server: dict[str, int]) -> dict[str, float]:
+    """Average server-side phases per request, in microseconds, from its header counters."""
+    requests, batches = server.get("requests", 0), server.get("batches", 0)
+    if not requests or not batches:
+        return {}
+    return {
+        # t_submit (client, just before its sem_post) -> t_start (server took it into a batch)
+        "submit_to_batch_us": server["queue_wait_ns"] / requests / 1e3,
+        # _run_decoder: tokens -> tensors, detokenize (no-op here), .numpy()
+        "decode_call_us": server["decode_ns"] / batches / 1e3,
+        "avg_batch_size": requests / batches,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+
+
+def format_table(stats: dict[str, dict[str, float]], comparison: dict[str, Any],
+                 breakdown: dict[str, float] | None = None) -> str:  # fmt: skip
+    """The results as a plain-text table (times in microseconds)."""
+
+    def opt(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    head = ("transport", "median", "p10", "p90", "mean", "x floor", "x shm", "cpu here",
+            "cpu peer")  # fmt: skip
+    rows = [head]
+    for t, s in stats.items():
+        vf, vs = comparison["vs_floor"].get(t), comparison["vs_bicodec_shm"].get(t)
+        rows.append((t, f"{s['median_us']:.1f}", f"{s['p10_us']:.1f}", f"{s['p90_us']:.1f}",
+                     f"{s['mean_us']:.1f}", opt(vf, ".2f") + "x" * (vf is not None),
+                     opt(vs, ".2f") + "x" * (vs is not None), opt(s["client_cpu_us"], ".1f"),
+                     opt(s["server_cpu_us"], ".1f")))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+
+    def line(r: tuple[str, ...]) -> str:
+        cells = [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        return "  ".join([r[0].ljust(widths[0]), *cells])
+
+    out = [
+        "round-trip wall time and CPU time per round trip (this process, the peer "
+        "process), microseconds",
+        line(rows[0]),
+        line(tuple("-" * w for w in widths)),
+    ]
+    out += [line(r) for r in rows[1:]]
+    targets = comparison["targets"]
+    if targets:
+        goal_w = max(len(v["goal"]) for v in targets.values())
+        out += ["", f"{'target'.ljust(goal_w)}  measured  result"]
+        for v in targets.values():
+            result = "met" if v["met"] else "NOT MET"
+            out.append(f"{v['goal'].ljust(goal_w)}  {v['measured']:7.2f}x  {result}")
+    if breakdown:
+        out += ["", f"bicodec-shm server counters: submit -> batch start "
+                    f"{breakdown['submit_to_batch_us']:.1f} us/request, decode call "
+                    f"{breakdown['decode_call_us']:.1f} us/batch, "
+                    f"avg batch {breakdown['avg_batch_size']:.2f}"]  # fmt: skip
+    return "\n".join(out)
+
+
+def environment() -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m": os.getloadavg()[0],
+        "versions": {d: version(d) for d in ("bicodec-shm", "numpy", "posix_ipc", "torch")},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiling (a separate run: cProfile would inflate the table's numbers)
+# ---------------------------------------------------------------------------------------------
+
+
+def profile_bicodec_shm(prefix: str, *, iterations: int, warmup: int, top: int = 20) -> str:
+    """cProfile both sides of ``iterations`` bicodec-shm round trips; returns a text report.
+
+    Writes ``PREFIX.client.prof`` and ``PREFIX.server.prof`` (open with ``python -m pstats``).
+    """
+    client_path, server_path = f"{prefix}.client.prof", f"{prefix}.server.prof"
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(server_path)
+    requests = make_requests()
+    profiler = cProfile.Profile()
+    with bicodec_shm_peer(mp.get_context("spawn"), profile_path=server_path) as peer:
+        _timed(peer.roundtrip, requests, 0, warmup, [])
+        profiler.enable()
+        _timed(peer.roundtrip, requests, warmup, iterations, [])
+        profiler.disable()
+    profiler.dump_stats(client_path)
+    report = io.StringIO()
+    for label, path in (("client", client_path), ("server", server_path)):
+        report.write(f"\n== {label} ({path}), {iterations} round trips, sorted by tottime ==\n")
+        if os.path.exists(path):
+            pstats.Stats(path, stream=report).sort_stats("tottime").print_stats(top)
+        else:
+            report.write("(no profile written)\n")
+    return report.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    default_json = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_ipc.json")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--iterations", type=int, default=2000, help="timed round trips per transport")
+    p.add_argument("--warmup", type=int, default=200, help="untimed round trips first")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=10,
+        help="interleave the transports in this many rounds (noise hits all alike)",
+    )
+    p.add_argument("--quick", action="store_true", help="200 iterations, 20 warm-up, 2 rounds")
+    p.add_argument(
+        "--transports",
+        default=",".join(TRANSPORTS),
+        help=f"comma-separated subset of: {', '.join(TRANSPORTS)}",
+    )
+    p.add_argument("--json", default=default_json, help="results file (default: %(default)s)")
+    p.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="afterwards, cProfile a separate bicodec-shm run into "
+        "PREFIX.client.prof and PREFIX.server.prof",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.iterations, args.warmup, args.rounds = 200, 20, 2
+    if args.iterations < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--iterations and --rounds must be >= 1, --warmup >= 0")
+    transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad or not transports:
+        p.error(f"--transports: unknown {bad}; choose from {', '.join(TRANSPORTS)}")
+    args.transports = tuple(t for t in TRANSPORTS if t in transports)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    # SIGTERM (e.g. from a CI timeout) unwinds like Ctrl-C, so every finally block runs and
+    # every child and /dev/shm object is cleaned up.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        started = time.perf_counter()
+        raw = bench_all(args.transports, iterations=args.iterations, warmup=args.warmup,
+                        rounds=args.rounds, progress=not args.no_progress)  # fmt: skip
+        elapsed = time.perf_counter() - started
+        stats = {t: summarize(raw[t]) for t in args.transports}
+        comparison = compare(stats)
+        breakdown = server_breakdown(raw[SHM]["server"]) if SHM in raw else {}
+        print(f"{N_TOKENS} int32 tokens + {N_GLOBAL} int32 globals in, {N_SAMPLES} int16 samples "
+              f"out (the floor carries no payload); {args.iterations} round trips per transport "
+              f"in {min(args.rounds, args.iterations)} interleaved rounds after {args.warmup} "
+              f"warm-up; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}\n")  # fmt: skip
+        print(format_table(stats, comparison, breakdown))
+        failed = {t: r["exitcodes"] for t, r in raw.items() if any(c != 0 for c in r["exitcodes"])}
+        if failed:
+            print(f"warning: child processes exited abnormally: {failed}", file=sys.stderr)
+        report = {
+            "benchmark": "bench_ipc",
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "config": {"iterations": args.iterations, "warmup": args.warmup,
+                       "rounds": min(args.rounds, args.iterations),
+                       "transports": list(args.transports), "n_tokens": N_TOKENS,
+                       "n_global": N_GLOBAL, "n_samples": N_SAMPLES,
+                       "server_slots": SERVER_SLOTS, "server_max_batch": SERVER_MAX_BATCH},
+            "environment": environment(),
+            "elapsed_s": elapsed,
+            "results": stats,
+            "comparison": comparison,
+            "bicodec_shm_server": breakdown,
+            "child_exitcodes": {t: r["exitcodes"] for t, r in raw.items()},
+            "shm_names": sorted(n for r in raw.values() for n in r["shm_names"]),
+            "client_imported_torch": "torch" in sys.modules,
+        }  # fmt: skip
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"\nwrote {args.json}")
+        if args.profile:
+            print(profile_bicodec_shm(args.profile, iterations=args.iterations,
+                                      warmup=args.warmup))  # fmt: skip
+        return 1 if failed else 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

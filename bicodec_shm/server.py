@@ -239,13 +239,14 @@ class DecoderServer:
         ready = self._ready_slots(seg)
         if not ready:
             return
+        posts = int(woke)  # doorbell posts consumed so far in this round
         if self.max_wait_ms > 0 and len(ready) < self.max_batch:
-            ready = self._let_batch_grow(seg, ready)
+            ready, posts = self._let_batch_grow(seg, ready, posts)
         ready = [p for p in ready if self._admit(seg, p)]
         if not ready:
             return
         batch = plan_batch(ready, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
-        self._consume_posts(len(batch) - int(woke))
+        self._balance_posts(len(batch) - posts)
         now = time.monotonic_ns()
         state, started = seg.field["state"], seg.field["t_start_ns"]
         for p in batch:
@@ -253,25 +254,29 @@ class DecoderServer:
             started[p.slot] = now
         self._decode_rows(seg, batch)
 
-    def _let_batch_grow(self, seg: Segment, ready: list[Pending]) -> list[Pending]:
+    def _let_batch_grow(self, seg: Segment, ready: list[Pending], posts: int) -> tuple[list[Pending], int]:
+        """Wait up to max_wait_ms for more requests, sleeping on the doorbell (never spinning)."""
         deadline = time.monotonic() + self.max_wait_ms / 1000
         while len(ready) < self.max_batch and not self._stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            if self._wait(left):
-                self.segment.ready.release()  # keep the post for _consume_posts' accounting
+            posts += self._wait(left)
             ready = self._ready_slots(seg)
-        return ready
+        return ready, posts
 
-    def _consume_posts(self, n: int) -> None:
-        """Take the doorbell posts that belong to slots just taken, without blocking.
+    def _balance_posts(self, n: int) -> None:
+        """Keep one doorbell post per READY slot left waiting.
 
-        A post that has not arrived yet (the client set READY but was preempted before its
-        sem_post) only causes one extra, empty wake-up later.
+        n > 0: take the posts of slots just batched, without blocking (a post that has not
+        arrived yet, because its client was preempted between READY and sem_post, only causes
+        one extra, empty wake-up later). n < 0: this round consumed posts of slots that did not
+        fit in the batch; give them back so that the next round starts at once.
         """
         ready = self.segment.ready
-        for _ in range(max(0, n)):
+        for _ in range(-n):
+            ready.release()
+        for _ in range(n):
             try:
                 ready.acquire(0)
             except posix_ipc.BusyError:

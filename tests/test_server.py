@@ -269,3 +269,28 @@ def test_decoder_with_wrong_output_shape_fails_requests_not_the_server(thread_se
             client.decode([1, 2], [0] * 32)
         with pytest.raises(DecodeError):
             client.decode([1, 2], [0] * 32)
+
+
+def test_max_wait_window_grows_the_batch_without_spinning(thread_server, shm_name):
+    decoder = PoisonDecoder()
+    thread_server(decoder, max_batch=4, max_wait_ms=600)
+    reqs = _requests(8, 3)
+    with DecoderClient(shm_name, slots=3) as client:
+        results = [None] * 3
+
+        def run(i):
+            time.sleep(0.1 * i)  # staggered arrivals, all inside the window
+            results[i] = client.decode(*reqs[i], dtype="float32")
+
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    assert decoder.calls == [3]  # one batch of all three
+    assert wall >= 0.5  # the first request waited for the window
+    assert cpu < 0.5 * wall, f"the server spun: {cpu:.2f} s CPU in {wall:.2f} s"
+    for (sem, glb), pcm in zip(reqs, results):
+        np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)

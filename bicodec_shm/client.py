@@ -84,6 +84,10 @@ class _SlotPool:
                     self._forget(event)
                     raise _ServerGone() if self.closed else _slots_timeout()
 
+    def try_take(self) -> int | None:
+        with self._lock:
+            return self._free.popleft() if self._free else None
+
     async def take_async(self, deadline: float) -> int:
         loop = asyncio.get_running_loop()
         while True:
@@ -299,7 +303,9 @@ class _Attachment:
         if got:
             return got[0]
         if len(self.owned) > 1:
-            return self.pool.take(time.monotonic() + DEFAULT_TIMEOUT)  # give up a request slot
+            slot = self.pool.try_take()
+            if slot is not None:
+                return slot  # give up a request slot for good
         raise BiCodecShmError(
             "async use needs a second slot for its doorbell and none is free; "
             "start the server with more --slots"
@@ -437,6 +443,7 @@ class DecoderClient:
     """
 
     _att: _Attachment | None = None
+    _last_error: Exception | None = None
 
     def __init__(
         self,
@@ -475,6 +482,9 @@ class DecoderClient:
         deadline = self._deadline(timeout)
         while True:
             att = self._attachment(deadline)
+            if att is None:
+                time.sleep(_SLICE)
+                continue
             slot = att.pool.take(deadline)
             try:
                 return self._roundtrip(att, slot, request, deadline)
@@ -487,10 +497,14 @@ class DecoderClient:
         request = self._prepare(semantic_ids, global_ids, dtype)
         deadline = self._deadline(timeout)
         while True:
-            att = self._attachment(deadline)  # fast unless the server is being replaced
+            att = self._attachment(deadline)  # never sleeps
+            if att is None:  # the server is being replaced: wait without blocking the loop
+                await asyncio.sleep(_SLICE)
+                continue
+            bell = att.ensure_waiter()  # before taking a request slot: it may need one
             slot = await att.pool.take_async(deadline)
             try:
-                return await self._roundtrip_async(att, slot, request, deadline)
+                return await self._roundtrip_async(att, slot, bell, request, deadline)
             except _ServerGone:
                 self._replace(att)
 
@@ -565,14 +579,9 @@ class DecoderClient:
                 att.abandon(slot, seq)
                 raise self._timeout_error(att)
 
-    async def _roundtrip_async(self, att: _Attachment, slot: int, request: tuple,
+    async def _roundtrip_async(self, att: _Attachment, slot: int, bell: int, request: tuple,
                                deadline: float) -> np.ndarray:  # fmt: skip
         semantic, globals_, dtype = request
-        try:
-            bell = att.ensure_waiter()
-        except BaseException:
-            att.pool.give(slot)
-            raise
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         seq = next(att.seq)
@@ -613,7 +622,9 @@ class DecoderClient:
                     raise exc from None
             time.sleep(min(_SLICE, max(0.0, deadline - time.monotonic())))
 
-    def _attachment(self, deadline: float) -> _Attachment:
+    def _attachment(self, deadline: float) -> _Attachment | None:
+        """The live attachment, re-attaching if needed; None if no server is there yet but the
+        deadline has not passed (the caller waits a slice, in its own way, and asks again)."""
         if os.getpid() != self._pid:
             self._forked()
         att = self._att
@@ -623,14 +634,21 @@ class DecoderClient:
             raise BiCodecShmError("this DecoderClient is closed")
         with self._lock:
             if self._att is None or self._att.closed:
+                # One attempt, no sleeping here: asyncio callers must not block the loop.
                 try:
-                    self._att = self._connect(deadline)
-                except ServerUnavailableError as exc:
-                    raise ServerUnavailableError(
-                        f"the decoder server {self.name!r} is gone and no new one started "
-                        f"before the request's deadline ({exc})"
-                    ) from None
+                    self._att = self._connect(0.0)
+                except (ServerUnavailableError, SegmentError) as exc:
+                    self._last_error = exc
+                    if time.monotonic() >= deadline:
+                        raise self._gone_error() from None
+                    return None
             return self._att
+
+    def _gone_error(self) -> ServerUnavailableError:
+        return ServerUnavailableError(
+            f"the decoder server {self.name!r} is gone and no new one started before the "
+            f"request's deadline ({self._last_error})"
+        )
 
     def _replace(self, old: _Attachment) -> None:
         """Forget an attachment whose server died (the next call re-attaches)."""

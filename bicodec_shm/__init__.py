@@ -18,6 +18,7 @@ from .errors import (
     ServerAlreadyRunningError,
     ServerUnavailableError,
     SharedMemoryFullError,
+    StreamFinishedError,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,7 +35,9 @@ _LAZY = {
 
 _EAGER = {
     "BiCodecBatchDecoder": ".compat",
+    "DecodeStream": ".streaming",
     "DecoderClient": ".client",
+    "StreamSettings": ".streaming",
 }
 
 
@@ -55,6 +58,7 @@ __all__ = [
     "BiCodecShmError",
     "CheckpointError",
     "DecodeError",
+    "DecodeStream",
     "DecodeTimeoutError",
     "DecoderClient",
     "DecoderServer",
@@ -62,5 +66,7 @@ __all__ = [
     "ServerAlreadyRunningError",
     "ServerUnavailableError",
     "SharedMemoryFullError",
+    "StreamFinishedError",
+    "StreamSettings",
     "__version__",
 ]

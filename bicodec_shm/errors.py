@@ -4,7 +4,8 @@
 
     Exception
     ├── ValueError                      bad input from the caller (raised before anything is written)
-    │   └── CheckpointError             a model folder that cannot be loaded
+    │   ├── CheckpointError             a model folder that cannot be loaded
+    │   └── StreamFinishedError         push()/finish() on a stream that already finished
     └── BiCodecShmError                 base of everything the shared decoder raises
         ├── DecodeError                 the server could not decode this one request
         ├── ServerUnavailableError      no live server behind the name (none yet, or it died)
@@ -18,6 +19,13 @@ Bad input is always a plain ``ValueError`` (or a subclass), so callers that alre
 """
 
 from __future__ import annotations
+
+
+class StreamFinishedError(ValueError):
+    """``push`` or ``finish`` was called on a ``DecodeStream`` that has already finished.
+
+    Start a new stream for the next utterance.
+    """
 
 
 class BiCodecShmError(Exception):

@@ -1,0 +1,100 @@
+"""The wave generator: DAC-style upsampling blocks with Snake activations, ending in tanh.
+
+Checkpoint prefix ``decoder.``. Shapes: ``B`` batch, ``C`` channels, ``T`` frames at the
+block's input resolution.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import WaveGeneratorConfig
+from .modules import Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
+
+
+class ResidualUnit(nn.Module):
+    """``x + conv1x1(snake(conv7_dilated(snake(x))))``; names ``block.0`` ... ``block.3``.
+
+    Args:
+        dim: channels C.
+        dilation: dilation of the k=7 convolution (padding 3·dilation keeps T).
+    """
+
+    def __init__(self, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake1d(dim),
+            WNConv1d(dim, dim, kernel_size=7, dilation=dilation, padding=3 * dilation),
+            Snake1d(dim),
+            WNConv1d(dim, dim, kernel_size=1),
+        )
+
+    def forward(self, x: torch.Tensor, mask: TimeMask | None = None) -> torch.Tensor:
+        """(B, C, T) -> (B, C, T)"""
+        snake1, conv7, snake2, conv1 = self.block
+        return x + conv1(snake2(conv7(masked(snake1(x), mask))))
+
+
+class UpsampleBlock(nn.Module):
+    """Snake, a transposed conv that lengthens time by exactly ``stride``, three residual units.
+
+    Args:
+        input_dim: channels C_in.
+        output_dim: channels C_out.
+        kernel_size: transposed-conv kernel k; ``k - stride`` must be even.
+        stride: upsampling factor s.
+    """
+
+    def __init__(self, input_dim: int, output_dim: int, kernel_size: int, stride: int) -> None:
+        super().__init__()
+        up = WNConvTranspose1d(
+            input_dim, output_dim, kernel_size, stride=stride, padding=(kernel_size - stride) // 2
+        )
+        self.block = nn.Sequential(
+            Snake1d(input_dim), up, *(ResidualUnit(output_dim, d) for d in (1, 3, 9))
+        )
+
+    def forward(self, x: torch.Tensor, mask: TimeMask | None = None) -> torch.Tensor:
+        """(B, C_in, T) -> (B, C_out, s·T)"""
+        snake, up, *units = self.block
+        x = up(masked(snake(x), mask))
+        for unit in units:
+            x = unit(x, mask)
+        return x
+
+
+class WaveGenerator(nn.Module):
+    """``model.0`` conv, upsampling blocks ``model.1..n``, Snake, conv to one channel, tanh.
+
+    Args:
+        cfg: the ``decoder`` section of the config; channels halve at every block.
+    """
+
+    def __init__(self, cfg: WaveGeneratorConfig) -> None:
+        super().__init__()
+        ch = cfg.channels
+        blocks = [
+            UpsampleBlock(ch // 2**i, ch // 2 ** (i + 1), k, s)
+            for i, (k, s) in enumerate(zip(cfg.kernel_sizes, cfg.rates, strict=True))
+        ]
+        out_dim = ch // 2 ** len(blocks)
+        self.model = nn.Sequential(
+            WNConv1d(cfg.input_channel, ch, kernel_size=7, padding=3),
+            *blocks,
+            Snake1d(out_dim),
+            WNConv1d(out_dim, 1, kernel_size=7, padding=3),
+            nn.Tanh(),
+        )
+        # Time resolutions (upsampling so far) at which convolutions run: 1, 8, 40, 160, 320.
+        self.time_factors = tuple(math.prod(cfg.rates[:i]) for i in range(len(cfg.rates) + 1))
+
+    def forward(self, x: torch.Tensor, mask: TimeMask | None = None) -> torch.Tensor:
+        """(B, C_in, T) -> (B, 1, hop·T), in (-1, 1)"""
+        conv_in, *blocks, snake, conv_out, tanh = self.model
+        x = conv_in(masked(x, mask))
+        for block in blocks:
+            x = block(x, mask)
+        return tanh(conv_out(masked(snake(x), mask)))

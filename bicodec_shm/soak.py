@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,7 +193,9 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
         _stop(server)
     left = len(leftover_objects(name))
     unlink_all(name)
-    return _tally(logs, args, kills, server_kills, leaked, left, time.monotonic() - t0)
+    result = _tally(logs, args, kills, server_kills, leaked, left, time.monotonic() - t0)
+    shutil.rmtree(work, ignore_errors=True)
+    return result
 
 
 def _tally(logs, args, kills, server_kills, leaked, left, seconds) -> SoakResult:
@@ -200,7 +203,8 @@ def _tally(logs, args, kills, server_kills, leaked, left, seconds) -> SoakResult
     kinds: dict[str, int] = {}
     for path, was_killed in logs:
         try:
-            lines = open(path).read().splitlines()
+            with open(path) as f:
+                lines = f.read().splitlines()
         except OSError:
             continue
         pending = 0

@@ -1,4 +1,4 @@
-"""``bicodec-shm``: serve | stats | demo | soak | cleanup.
+"""``bicodec-shm``: serve | stats | demo | bench | soak | cleanup.
 
 ``main(argv=None) -> int`` is the console script; tests call it in-process.
 """
@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
 
     add_soak_arguments(so)
     so.set_defaults(func=_cmd_soak)
+
+    b = sub.add_parser("bench", help="throughput: shared server vs a decoder per process vs a Queue server")
+    from .bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(b)
+    b.set_defaults(func=_cmd_bench)
 
     c = sub.add_parser("cleanup", help="unlink the objects of a name whose server is dead")
     c.add_argument("name", nargs="?", default=DEFAULT_NAME)
@@ -206,6 +212,12 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     left = leftover_objects(args.name)
     print(f"removed {removed} object(s) of {args.name!r}" + (f"; still there: {left}" if left else ""))
     return 0 if not left else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_and_report
+
+    return run_and_report(args)
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:

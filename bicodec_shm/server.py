@@ -123,6 +123,11 @@ class DecoderServer:
         self.max_batch_tokens = max_batch_tokens
         self.reap_interval = reap_interval
         self.device = _device_of(decoder)
+        if self.device.type == "cuda":
+            # cuDNN convolutions default to TF32, whose rounding differs between batch shapes:
+            # batched rows would no longer equal their lone decodes to float32 precision.
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         config = getattr(decoder, "config", None)
         self.semantic_vocab = int(getattr(config, "semantic_vocab", 8192))
         self.global_vocab = int(getattr(config, "global_vocab", 4096))

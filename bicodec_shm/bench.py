@@ -214,6 +214,9 @@ def _reporting(events: Any, who: str) -> Iterator[None]:
         raise
 
 
+DEVICE_ENV = "BICODEC_SHM_BENCH_DEVICE"
+
+
 def _load_model(preset: str, seed: int, threads: int) -> Any:
     """Build, then warm up, a decoder (the first calls pay for lazy initialisation)."""
     import torch
@@ -221,7 +224,8 @@ def _load_model(preset: str, seed: int, threads: int) -> Any:
     torch.set_num_threads(threads)
     from .model import BiCodecDecoder
 
-    model = BiCodecDecoder.from_config(preset, seed=seed)
+    # Spawned workers inherit the device through the environment (set by --device).
+    model = BiCodecDecoder.from_config(preset, seed=seed).to(os.environ.get(DEVICE_ENV, "cpu"))
     semantic = torch.zeros(2, 25, dtype=torch.long)
     model.detokenize(semantic, torch.zeros(2, N_GLOBAL, dtype=torch.long), torch.tensor([25, 20]))
     model.detokenize(semantic[:1], torch.zeros(1, N_GLOBAL, dtype=torch.long))
@@ -306,7 +310,7 @@ def _own_decoder_client(preset: str, seed: int, threads: int, index: int, length
 
         def decode(semantic: np.ndarray, speaker: np.ndarray) -> np.ndarray:
             audio = model.detokenize(torch.from_numpy(semantic)[None], torch.from_numpy(speaker)[None])
-            return _to_int16(audio[0].numpy())
+            return _to_int16(audio[0].cpu().numpy())
 
         _client_loop(index, requests, decode, start, events)
 
@@ -379,7 +383,7 @@ def _queue_server(preset: str, seed: int, threads: int, policy: Policy, requests
             speakers = np.stack([spk for _, _, spk in rows])
             lengths = np.array([p.length for p in batch], np.int64)
             audio = model.detokenize(torch.from_numpy(semantic), torch.from_numpy(speakers),
-                                     torch.from_numpy(lengths)).numpy()  # fmt: skip
+                                     torch.from_numpy(lengths)).cpu().numpy()  # fmt: skip
             for j, (client, sem, _) in enumerate(rows):
                 reply_qs[client].put(_to_int16(audio[j, : HOP * len(sem)]))
             hist[len(batch)] = hist.get(len(batch), 0) + 1
@@ -405,7 +409,7 @@ def _limit_worker(preset: str, seed: int, threads: int, batches: list[list[int]]
         start.wait()
         for semantic, speakers, lengths, plain in inputs:
             t0 = time.perf_counter()
-            model.detokenize(semantic, speakers, lengths).numpy()
+            model.detokenize(semantic, speakers, lengths).cpu().numpy()
             t1 = time.perf_counter()
             events.put(("done", "limit", t1 - t0, sum(plain), len(plain), t1))
         events.put(("exit", "limit"))
@@ -1131,6 +1135,8 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
     p.add_argument("--quick", action="store_true",
                    help=f"tiny model, N = {','.join(map(str, QUICK_NS))}, {QUICK_REQUESTS} "
                         "requests per client (under 2 minutes)")  # fmt: skip
+    p.add_argument("--device", default="cpu",
+                   help="torch device of every model process, e.g. cuda:0 (default cpu)")  # fmt: skip
     p.add_argument("--preset", default=None, choices=("spark-tts-0.5b", "tiny"),
                    help="architecture, random weights (default spark-tts-0.5b; --quick: tiny)")
     p.add_argument("--n", type=_ints, default=None, metavar="N,N,...",
@@ -1232,8 +1238,9 @@ def run_and_report(args: argparse.Namespace) -> int:
     try:
         import psutil  # noqa: F401  (the memory and CPU sampler)
     except ImportError:
-        print("bicodec-shm bench needs psutil: pip install 'bicodec-shm[bench]'", file=sys.stderr)
+        print("bicodec-shm bench needs psutil: pip install psutil", file=sys.stderr)
         return 2
+    os.environ[DEVICE_ENV] = args.device
     setup, ns, systems = _resolve(args)
     requests = {n: requests_per_client(n, args.requests, args.total_requests) for n in ns}
     print(_describe(setup, ns, requests, args.sweep), flush=True)

@@ -48,6 +48,7 @@ from .transport import (
     Segment,
     SlotState,
     Status,
+    drain,
     stats_from_header,
 )
 from .validation import as_token_array, output_dtype_code
@@ -225,7 +226,7 @@ class _Attachment:
             seg.slots["owner_pid"][slot] = os.getpid()
             self.generation[slot] = int(seg.slots["generation"][slot])
             seg.slots["state"][slot] = SlotState.CLAIMED
-            _drain(seg.done[slot])
+            drain(seg.done[slot])
             claimed.append(slot)
         self.owned.extend(claimed)
         return claimed
@@ -403,14 +404,6 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any
         loop.call_soon_threadsafe(apply)
     except RuntimeError:
         pass  # that event loop is closed
-
-
-def _drain(sem: posix_ipc.Semaphore) -> None:
-    while True:
-        try:
-            sem.acquire(0)
-        except posix_ipc.BusyError:
-            return
 
 
 _live_clients: weakref.WeakSet[DecoderClient] = weakref.WeakSet()

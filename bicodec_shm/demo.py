@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import signal
 import subprocess
 import sys
 import time
@@ -22,11 +21,11 @@ import numpy as np
 from tqdm import tqdm
 
 from .errors import BiCodecShmError
+from .processes import serve_command, stop_server, wait_until_serving
 from .transport import (
     HOP,
     N_GLOBAL,
     leftover_objects,
-    process_alive,
     random_name,
     read_header,
     stats_from_header,
@@ -96,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> int:
     failed = 0
     tokens = 0
     try:
-        _wait_until_serving(name, server, timeout=600)
+        wait_until_serving(name, server, timeout=600)
         t0 = time.perf_counter()
         for i in range(args.clients):
             client_args = (name, i, args.requests, args.min_len, args.max_len, args.seed, checks[i], events)
@@ -167,11 +166,11 @@ def _check_plan(clients: int, requests: int, check: int) -> list[list[int]]:
 
 
 def _start_server(args: argparse.Namespace, name: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bicodec_shm", "serve", "--name", name, "--preset", args.preset,
+    cmd = serve_command(name, "--preset", args.preset,
            "--seed", str(args.seed), "--device", args.device, "--slots", str(args.slots),
            "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
            "--max-batch-tokens", str(args.max_batch_tokens),
-           "--max-tokens", str(args.max_tokens)]  # fmt: skip
+           "--max-tokens", str(args.max_tokens))  # fmt: skip
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     if args.threads:
@@ -180,28 +179,8 @@ def _start_server(args: argparse.Namespace, name: str) -> subprocess.Popen:
     return subprocess.Popen(cmd)
 
 
-def _wait_until_serving(name: str, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise BiCodecShmError(f"the server exited with code {server.returncode} while starting")
-        header = read_header(name)
-        if header is not None and int(header["serving"]) and process_alive(
-            int(header["server_pid"]), int(header["server_start"])
-        ):
-            return
-        time.sleep(0.05)  # start-up only; the request path never polls
-    raise BiCodecShmError(f"the server did not come up within {timeout:.0f} s")
-
-
 def _stop_server(server: subprocess.Popen, name: str) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    stop_server(server)
     if leftover_objects(name):  # only if the server could not clean up after itself
         unlink_all(name)
 

@@ -52,6 +52,7 @@ from .transport import (
     OutputDtype,
     Segment,
     Status,
+    drain,
     process_alive,
     read_header,
     unlink_all,
@@ -438,7 +439,7 @@ class DecoderServer:
                 f["generation"][slot] += 1  # a late result can never match the next owner
                 f["owner_pid"][slot] = 0
                 f["state"][slot] = FREE
-                _drain(seg.done[slot])
+                drain(seg.done[slot])
                 reclaimed += 1
             finally:
                 seg.unlock_slot(slot)
@@ -500,14 +501,6 @@ def _first_out_of_range(ids: np.ndarray, vocab: int) -> tuple[int, int] | None:
     if len(bad) == 0:
         return None
     return int(bad[0]), int(ids[bad[0]])
-
-
-def _drain(sem: posix_ipc.Semaphore) -> None:
-    while True:
-        try:
-            sem.acquire(0)
-        except posix_ipc.BusyError:
-            return
 
 
 def _device_of(decoder: object) -> torch.device:

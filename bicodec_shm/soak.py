@@ -24,7 +24,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,14 +32,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .transport import (
-    SlotState,
-    leftover_objects,
-    process_alive,
-    random_name,
-    read_header,
-    unlink_all,
-)
+from .processes import serve_command, stop_server, wait_until_serving
+from .transport import SlotState, leftover_objects, random_name, unlink_all
 
 
 @dataclass
@@ -127,14 +120,14 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     stop_file = os.path.join(work, "stop")
     make_pool(pool, preset=args.preset, seed=args.seed, size=args.pool, max_len=args.max_len)
     rng = random.Random(args.seed)
-    server_cmd = [sys.executable, "-m", "bicodec_shm", "serve", "--name", name, "--preset",
-                  args.preset, "--seed", str(args.seed), "--slots", str(args.slots),
-                  "--threads", "1", "--max-tokens", str(args.max_len)]  # fmt: skip
+    server_cmd = serve_command(name, "--preset", args.preset, "--seed", str(args.seed),
+                               "--slots", str(args.slots), "--threads", "1",
+                               "--max-tokens", str(args.max_len))  # fmt: skip
     logs: list[tuple[str, bool]] = []  # (log path, was killed)
     clients: dict[int, tuple[subprocess.Popen, str]] = {}
     kills = server_kills = 0
     server = _start(server_cmd)
-    _wait_serving(name, server)
+    wait_until_serving(name, server)
 
     def spawn(k: int) -> None:
         log = os.path.join(work, f"client-{len(logs)}.log")
@@ -169,7 +162,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                     server_kills += 1
                     time.sleep(rng.uniform(0.0, 2.0))  # clients must wait, then resubmit
                     server = _start(server_cmd)
-                    _wait_serving(name, server)
+                    wait_until_serving(name, server)
                     next_server_kill = time.monotonic() + rng.uniform(0.5, 1.5) * args.kill_server_every
                 time.sleep(0.05)
                 elapsed = min(int(time.monotonic() - t0), int(args.duration))
@@ -190,7 +183,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        _stop(server)
+        stop_server(server)
     left = len(leftover_objects(name))
     unlink_all(name)
     result = _tally(logs, args, kills, server_kills, leaked, left, time.monotonic() - t0)
@@ -239,20 +232,6 @@ def _start(cmd: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
 
 
-def _wait_serving(name: str, server: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode} while starting")
-        h = read_header(name)
-        if h is not None and int(h["magic"]) and int(h["serving"]) and process_alive(
-            int(h["server_pid"]), int(h["server_start"])
-        ):
-            return
-        time.sleep(0.02)  # start-up only
-    raise RuntimeError("the server did not start")
-
-
 def _leaked_slots(name: str, wait: float) -> int:
     """Slots still owned once every client has exited and the reaper had ``wait`` seconds."""
     from .transport import Segment
@@ -264,16 +243,6 @@ def _leaked_slots(name: str, wait: float) -> int:
             if busy == 0 or time.monotonic() >= deadline:
                 return busy
             time.sleep(0.05)
-
-
-def _stop(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def format_result(r: SoakResult) -> str:

@@ -168,6 +168,15 @@ SLOT_DT = np.dtype(
 )
 
 
+def drain(sem: posix_ipc.Semaphore) -> None:
+    """Take every pending post of ``sem`` without blocking (stale doorbells of a slot)."""
+    while True:
+        try:
+            sem.acquire(0)
+        except posix_ipc.BusyError:
+            return
+
+
 def validate_name(name: str) -> str:
     """Return ``name`` if it is a usable segment name, else raise ``ValueError``."""
     if not isinstance(name, str) or not _NAME_RE.match(name):

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from bicodec_shm.transport import (
-    leftover_objects,
-    process_alive,
-    random_name,
-    read_header,
-    unlink_all,
-)
+from bicodec_shm import processes
+from bicodec_shm.transport import leftover_objects, random_name, unlink_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,22 +24,12 @@ def shm_name() -> Iterator[str]:
 
 
 def wait_until_serving(name: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited early with code {proc.returncode}")
-        h = read_header(name)
-        if h is not None and int(h["serving"]) and int(h["magic"]) and process_alive(
-            int(h["server_pid"]), int(h["server_start"])
-        ):
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"server {name} did not start within {timeout} s")
+    processes.wait_until_serving(name, proc, timeout)
 
 
 def serve_command(name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "bicodec_shm", "serve", "--preset", "tiny", "--seed", "0",
-            "--threads", "1", "--name", name, *extra]  # fmt: skip
+    """``bicodec-shm serve`` on the tiny model that ``support.reference_model()`` rebuilds."""
+    return processes.serve_command(name, "--preset", "tiny", "--seed", "0", "--threads", "1", *extra)
 
 
 @pytest.fixture
@@ -65,13 +47,7 @@ def start_server(shm_name: str) -> Iterator[Callable[..., subprocess.Popen]]:
 
     yield start
     for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        processes.stop_server(proc, timeout=20)
         if proc.stderr is not None:
             proc.stderr.close()
 

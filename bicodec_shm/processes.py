@@ -1,0 +1,54 @@
+"""Server processes started by the package's own tools (demo, soak) and by the tests.
+
+Start-up is the one place that polls: a fresh server has no doorbell to ring yet. The request
+path never polls.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from .errors import BiCodecShmError
+from .transport import process_alive, read_header
+
+
+def serve_command(name: str, *options: str) -> list[str]:
+    """The command line of ``bicodec-shm serve --name NAME OPTIONS`` in this interpreter."""
+    return [sys.executable, "-m", "bicodec_shm", "serve", "--name", name, *options]
+
+
+def is_serving(name: str) -> bool:
+    """True once a live server has finished creating ``name`` and serves it."""
+    h = read_header(name)
+    return (
+        h is not None
+        and int(h["magic"]) != 0
+        and bool(h["serving"])
+        and process_alive(int(h["server_pid"]), int(h["server_start"]))
+    )
+
+
+def wait_until_serving(name: str, server: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    """Block until ``name`` is served; raise if ``server`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise BiCodecShmError(f"the server exited with code {server.returncode} while starting")
+        if is_serving(name):
+            return
+        time.sleep(0.02)
+    raise BiCodecShmError(f"the server of {name!r} did not come up within {timeout:.0f} s")
+
+
+def stop_server(server: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (a clean stop that unlinks the segment), then SIGKILL if it does not exit."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

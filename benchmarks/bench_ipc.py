@@ -41,13 +41,11 @@ import argparse
 import contextlib
 import cProfile
 import datetime
-import importlib.metadata
 import io
 import json
 import multiprocessing as mp
 import multiprocessing.context
 import os
-import platform
 import pstats
 import signal
 import sys
@@ -61,6 +59,7 @@ import numpy as np
 import posix_ipc
 from tqdm import tqdm
 
+from bicodec_shm.bench import environment  # the same machine record as bench_throughput
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import SegmentError, ServerUnavailableError
 from bicodec_shm.transport import leftover_objects, random_name, read_header, unlink_all
@@ -590,22 +589,6 @@ def format_table(stats: dict[str, dict[str, float]], comparison: dict[str, Any],
                     f"{breakdown['decode_call_us']:.1f} us/batch, "
                     f"avg batch {breakdown['avg_batch_size']:.2f}"]  # fmt: skip
     return "\n".join(out)
-
-
-def environment() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_1m": os.getloadavg()[0],
-        "versions": {d: version(d) for d in ("bicodec-shm", "numpy", "posix_ipc", "torch")},
-    }
 
 
 # ---------------------------------------------------------------------------------------------

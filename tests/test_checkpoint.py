@@ -20,19 +20,6 @@ from bicodec_shm.model.checkpoint import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_for_small_models(request):
-    """Run tiny-model tests on one thread: as fast as two for this size, and when another process
-    holds a core, two OpenMP threads stall at every op (measured: 4 s instead of 25 ms a decode)."""
-    if "full" in request.fixturenames:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> BiCodecDecoder:
     return BiCodecDecoder.from_config("tiny", seed=11)

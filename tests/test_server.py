@@ -125,7 +125,8 @@ def test_a_failing_request_fails_alone_after_split_and_retry(thread_server, shm_
     for (sem, glb), pcm in zip(reqs, results[:-1]):
         assert isinstance(pcm, np.ndarray), pcm
         np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(again, results[0], atol=1e-6, rtol=0)
+    # Ground truth is the lone decode (batched vs lone differ by float rounding, ~2e-6).
+    np.testing.assert_allclose(again, single_decode(*reqs[0]), atol=1e-5, rtol=0)
 
 
 class _Rogue:

@@ -17,8 +17,8 @@ from .errors import BiCodecShmError
 from .transport import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SLOTS,
+    header_server_alive,
     leftover_objects,
-    process_alive,
     read_header,
     stats_from_header,
     unlink_all,
@@ -172,7 +172,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if header is None:
             raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm")
         stats = stats_from_header(header)
-        stats["server_alive"] = process_alive(int(header["server_pid"]), int(header["server_start"]))
+        stats["server_alive"] = header_server_alive(header)
         if args.json:
             print(json.dumps(stats, indent=None if args.watch else 2), flush=True)
         else:
@@ -204,7 +204,7 @@ def format_stats(name: str, stats: dict) -> str:
 
 def _cmd_cleanup(args: argparse.Namespace) -> int:
     header = read_header(args.name)
-    if header is not None and process_alive(int(header["server_pid"]), int(header["server_start"])):
+    if header is not None and header_server_alive(header):
         raise BiCodecShmError(
             f"the server of {args.name!r} (pid {int(header['server_pid'])}) is alive; stop it instead"
         )

@@ -12,7 +12,7 @@ import sys
 import time
 
 from .errors import BiCodecShmError
-from .transport import process_alive, read_header
+from .transport import header_server_alive, read_header
 
 
 def serve_command(name: str, *options: str) -> list[str]:
@@ -27,7 +27,7 @@ def is_serving(name: str) -> bool:
         h is not None
         and int(h["magic"]) != 0
         and bool(h["serving"])
-        and process_alive(int(h["server_pid"]), int(h["server_start"]))
+        and header_server_alive(h)
     )
 
 

@@ -53,7 +53,7 @@ from .transport import (
     Segment,
     Status,
     drain,
-    process_alive,
+    header_server_alive,
     read_header,
     unlink_all,
     validate_name,
@@ -477,8 +477,8 @@ def _create_or_take_over(name: str, **kwargs: Any) -> Segment:
         pass
     header = read_header(name)
     if header is not None:
-        pid, start = int(header["server_pid"]), int(header["server_start"])
-        if process_alive(pid, start):
+        pid = int(header["server_pid"])
+        if header_server_alive(header):
             raise ServerAlreadyRunningError(
                 f"a bicodec-shm server (pid {pid}) is already serving {name!r}; stop it first "
                 "or choose another --name"

@@ -227,33 +227,34 @@ class Layout:
         return self.pcm_off + self.n_slots * self.pcm_stride
 
 
-def process_start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot, or 0 if there is no such process."""
+def _proc_stat(pid: int) -> tuple[bytes, int] | None:
+    """(state letter, start time in clock ticks since boot) of ``pid``, or None if none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return 0
+        return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def process_start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot, or 0 if there is no such process."""
+    stat = _proc_stat(pid)
+    return 0 if stat is None else stat[1]
 
 
 def process_alive(pid: int, start_time: int) -> bool:
     """True if ``pid`` runs and is the same process that recorded ``start_time``."""
-    if pid <= 0:
-        return False
-    started = process_start_time(pid)
-    if started == 0:
-        return False
-    # A zombie still has a /proc entry; it will never serve again.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        if state in (b"Z", b"X"):
-            return False
-    except OSError:
-        return False
-    return started == start_time
+    stat = _proc_stat(pid) if pid > 0 else None
+    # A zombie still has a /proc entry, but will never serve again.
+    return stat is not None and stat[0] not in (b"Z", b"X") and stat[1] == start_time
+
+
+def header_server_alive(h: np.void | np.ndarray) -> bool:
+    """True if the server that wrote header ``h`` is still running (pid reuse guarded)."""
+    return process_alive(int(h["server_pid"]), int(h["server_start"]))
 
 
 # struct flock on Linux (x86-64 and aarch64): short type, short whence, off_t start, off_t len,
@@ -446,7 +447,7 @@ class Segment:
 
     def server_alive(self) -> bool:
         h = self.header
-        return bool(h["serving"]) and process_alive(int(h["server_pid"]), int(h["server_start"]))
+        return bool(h["serving"]) and header_server_alive(h)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -546,6 +547,7 @@ def stats_from_header(h: np.void) -> dict:
     rows = sum(b * n for b, n in enumerate(hist))
     return {
         "server_pid": int(h["server_pid"]),
+        "server_epoch": int(h["server_epoch"]),
         "serving": bool(h["serving"]),
         "slots": int(h["n_slots"]),
         "max_tokens": int(h["max_tokens"]),

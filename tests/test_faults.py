@@ -144,15 +144,21 @@ def _waiters(name, timeout, outcomes, n_threads=3, n_async=3):
     return client, reqs, threads
 
 
+def _kill_server_mid_batch(server, name, timeout, outcomes):
+    """Start waiters on a slow server, then SIGKILL it while their batch is being decoded."""
+    wait_until_serving(name, proc=server)
+    client, reqs, threads = _waiters(name, timeout, outcomes)
+    time.sleep(0.5)  # inside the 1 s batch
+    server.kill()
+    server.wait()
+    return client, reqs, threads
+
+
 def test_server_killed_mid_batch_every_waiter_fails_within_its_timeout(shm_name):
     server = subprocess.Popen(_script("slow_server.py", shm_name, "1.0"), cwd=ROOT)
     try:
-        wait_until_serving(shm_name, proc=server)
         outcomes: list = []
-        client, _, threads = _waiters(shm_name, 3.0, outcomes)
-        time.sleep(0.5)
-        server.kill()
-        server.wait()
+        client, _, threads = _kill_server_mid_batch(server, shm_name, 3.0, outcomes)
         for th in threads:
             th.join(10)
             assert not th.is_alive(), "a waiter hung"
@@ -173,12 +179,8 @@ def test_server_replaced_before_the_deadline_requests_are_resubmitted(shm_name):
     slow = subprocess.Popen(_script("slow_server.py", shm_name, "1.0"), cwd=ROOT)
     replacement = None
     try:
-        wait_until_serving(shm_name, proc=slow)
         outcomes: list = []
-        client, reqs, threads = _waiters(shm_name, 60.0, outcomes)
-        time.sleep(0.5)
-        slow.kill()
-        slow.wait()
+        client, reqs, threads = _kill_server_mid_batch(slow, shm_name, 60.0, outcomes)
         time.sleep(0.5)  # the clients notice and wait for a new server
         replacement = subprocess.Popen(serve_command(shm_name), cwd=ROOT, stderr=subprocess.DEVNULL)
         for th in threads:

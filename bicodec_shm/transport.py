@@ -1,9 +1,12 @@
-"""The shared-memory segment: header, slot table, payload arrays, semaphores, slot locks.
+"""The shared-memory segment: layout, semaphores, locks, and who may create, attach and unlink.
 
 One POSIX shared-memory object holds everything a server and its clients exchange. Semaphores
 are doorbells, never locks: a POSIX semaphore has no owner, so one held by a killed process
-would wedge everyone. Slot *ownership* uses open-file-description (OFD) byte-range locks on the
-segment's fd instead, which the kernel drops the instant the owner dies.
+would wedge everyone. Ownership (of the name, of a slot, of a bell) uses open-file-description
+(OFD) byte-range locks on the segment's inode instead, which the kernel drops the instant the
+last descriptor of their open file description closes, e.g. when the owner dies. No pid is ever
+trusted: liveness works across PID namespaces (a Kubernetes pod's containers, ``docker
+--ipc=container:X``) and survives pid reuse.
 
 Segment layout (all offsets are multiples of 64 bytes)::
 
@@ -11,8 +14,8 @@ Segment layout (all offsets are multiples of 64 bytes)::
     +---------------------+----------------------+--------------------+-----------------+
     | header (HEADER_DT)  | padding to 4 KiB     | slot table         | semantic tokens |
     | magic, version,     |                      | n_slots x SLOT_DT  | n_slots x       |
-    | sizes, server pid,  |                      | (state, gen, pid,  | max_tokens int32|
-    | epoch, counters     |                      |  lengths, status,  |                 |
+    | sizes, server info, |                      | (state, gen, seq,  | max_tokens int32|
+    | counters, histos    |                      |  lengths, status)  |                 |
     +---------------------+----------------------+--------------------+-----------------+
     globals_off           pcm_off                                            total_size
     +---------------------+--------------------------------------------------+
@@ -20,47 +23,94 @@ Segment layout (all offsets are multiples of 64 bytes)::
     | n_slots x 32 int32  | int16 or float32 samples, written in place        |
     +---------------------+--------------------------------------------------+
 
-Named objects (``NAME`` is validated: letters, digits, ``_`` and ``-``)::
+Named objects (``NAME``: letters, digits, ``_`` and ``-``, optionally a ``.K`` group suffix)::
 
-    /dev/shm/NAME                 the segment
-    /dev/shm/sem.NAME.ready       counting doorbell, clients -> server (one post per request)
-    /dev/shm/sem.NAME.done.I      doorbell server -> client, one per slot I (the request's
-                                  ``notify`` field names which one to ring)
+    /dev/shm/NAME              the segment; the server creates it O_CREX, reserves it with
+                               posix_fallocate, and is the only one who ever unlinks it
+    /dev/shm/sem.NAME.ready    clients -> server: "some slot is READY" (wake-up only)
+    /dev/shm/sem.NAME.free     -> clients waiting to claim: "some slot became FREE"
+    /dev/shm/sem.NAME.req.I    client -> server, slot I: pairs the server's reads of the request
+    /dev/shm/sem.NAME.done.I   server -> client, slot I: pairs the client's reads of the result
+    /dev/shm/sem.NAME.bell.J   server -> one client handle's asyncio waiter (bell J): wake-up only
+
+Locks: bytes of the segment's inode, taken with F_OFD_SETLK through a descriptor that nothing
+else duplicates (``Segment._lock_fd``; the mapping uses a separate open, because ``mmap`` dups
+the descriptor it maps and a dup shares the open file description and so its locks)::
+
+    byte OWNER_BYTE            the server, from creating the name to unlinking it (exclusivity)
+    byte SERVING_BYTE          the server, from a complete header until it stops taking work;
+                               clients probe it with F_OFD_GETLK: held = alive
+    byte SLOT_BYTE0 + I        the client handle that owns slot I
+    byte BELL_BYTE0 + J        the client handle that owns bell J
+
+A forked child closes its copy of every lock descriptor at once (``os.register_at_fork``), so a
+child never keeps its parent's slots, bells or server locks alive.
 
 Slot states (``SlotState``), and who moves a slot from each::
 
-    1. FREE    -> CLAIMED   client, while holding the slot's OFD lock (claim at attach)
-    2. CLAIMED -> READY     client: payload first, then header fields, then state, then post
-    3. READY   -> BUSY      server, when the slot joins a batch
-    4. BUSY    -> DONE      server: PCM and status first, then state, then post ``notify``
-    5. DONE    -> CLAIMED   client, after copying its result out
-    6. any     -> FREE      client on close (if CLAIMED/DONE), or the server's reaper once the
-                            owner's lock is gone (bumping ``generation`` so that a late result
-                            can never reach the slot's next owner)
+    1. FREE    -> CLAIMED   client, holding the slot's lock
+    2. CLAIMED -> READY     client: payload, fields, state; then post req.I, then post ready
+    3. READY   -> BUSY      server, after taking req.I, when the slot joins a batch
+    4. BUSY    -> DONE      server: PCM, status, fields, state; then post done.I (and bell J)
+    5. DONE    -> CLAIMED   client, after taking done.I and copying its result out
+    6. CLAIMED -> FREE      client when it gives an idle slot back (then unlock, post free)
+    7. any     -> FREE      the server's reaper, holding the slot's lock after its owner died,
+                            for a slot no batch holds; it bumps ``generation`` so that a late
+                            result can never reach the slot's next owner
 
-Ordering: every cross-process hand-off ends in ``sem_post``; ``sem_post``/``sem_wait``
-synchronise memory (POSIX 4.12), so stores made before a post are visible after the matching
-wait. That is why each side writes the payload, *then* the state word, *then* posts.
+Memory ordering (the rule every reader follows). Plain stores to shared memory carry no ordering
+on weakly ordered CPUs (aarch64: GH200, Grace): a reader may see a slot's state word change
+before the payload written earlier. POSIX semaphore operations synchronise memory (POSIX.1
+4.12), so:
+
+- A process reads the fields another process wrote for a hand-off only after a semaphore
+  operation paired with the writer's post *for that very slot*: the server reads a request only
+  after taking ``req.I``; a client reads a result only after taking ``done.I``. A wake-up
+  doorbell (``ready``, ``free``, a bell) only says "look"; what is then read is confirmed by
+  the per-slot semaphore first. A state word read without that pairing is a hint, used only to
+  choose which per-slot semaphore to try.
+- Every post carries a sequence number (``request_seq`` -> ``result_seq``) that the reader
+  checks after the pairing operation, so a stale post (of a request abandoned at its timeout)
+  is recognised and skipped, never mistaken for the answer.
+- Handing a slot between owners (claim, give back, reap) and reading the header go through the
+  kernel's file-lock code: a lock taken, released or probed (F_OFD_SETLK / GETLK) passes
+  through the inode's lock-list spinlock, whose release/acquire order every store made before
+  the call. So a claimer that wins a slot's lock sees the FREE its previous owner wrote before
+  unlocking, and a client that sees SERVING held sees the header the server wrote before
+  taking it.
+- The live counters and histograms are read without pairing by ``stats`` and metrics: they
+  are monotonic statistics, and a value a moment old is fine there.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
 import secrets
 import struct
+import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
-from .errors import SegmentError, ServerUnavailableError, SharedMemoryFullError
+from .errors import (
+    SegmentError,
+    ServerAlreadyRunningError,
+    ServerUnavailableError,
+    SharedMemoryFullError,
+)
+
+log = logging.getLogger("bicodec_shm.transport")
 
 MAGIC = 0x4D48535F43444342  # b"BCDC_SHM" little-endian
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -69,8 +119,26 @@ ERROR_TEXT_BYTES = 200
 HIST_BINS = 65  # batch-size histogram: bin b counts batches of b rows (bin 64 = 64 or more)
 DEFAULT_MAX_TOKENS = 1500  # 30 s of audio
 DEFAULT_SLOTS = 64
+MAX_SLOTS = 4096
 DEFAULT_MODE = 0o600
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+NO_BELL = 0xFFFFFFFF  # ``notify`` of a synchronous request: ring no bell
+
+# Lock bytes of the segment's inode (see the module docstring).
+OWNER_BYTE = 0
+SERVING_BYTE = 1
+SLOT_BYTE0 = 64
+BELL_BYTE0 = SLOT_BYTE0 + MAX_SLOTS
+
+# Upper bounds (seconds) of the latency histograms, Prometheus style (+Inf is the last bin).
+# From 1 ms (a GPU batch of short rows) to 60 s (a long utterance on a loaded CPU server).
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0)  # fmt: skip
+N_TIME_BINS = len(TIME_BUCKETS) + 1
+
+# Names: a base of letters, digits, _ and -, and for members of a server group a ".K" suffix.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,120}(\.[0-9]{1,3})?$")
+# What follows "sem.NAME." for the semaphores of NAME (and of no other name).
+_SEM_SUFFIX_RE = re.compile(r"^(ready|free|(req|done|bell)\.[0-9]+)$")
 
 
 class SlotState(enum.IntEnum):
@@ -84,6 +152,15 @@ class SlotState(enum.IntEnum):
 # Plain ints for the hot paths: comparing numpy arrays with IntEnum members costs several
 # microseconds each (measured 8-16 us vs 2-4 us), which matters at ~100 us per round trip.
 FREE, CLAIMED, READY, BUSY, DONE = (int(s) for s in SlotState)
+
+
+class Phase(enum.IntEnum):
+    """The server's life, in the header (informational: liveness is the SERVING lock)."""
+
+    CREATING = 0
+    SERVING = 1
+    STOPPING = 2
+    STOPPED = 3
 
 
 class OutputDtype(enum.IntEnum):
@@ -105,6 +182,8 @@ class Status(enum.IntEnum):
     DECODE_FAILED = 8
 
 
+N_STATUS = 16  # room in the header's failed-by-status counters
+
 HEADER_DT = np.dtype(
     [
         ("magic", "<u8"),
@@ -117,12 +196,15 @@ HEADER_DT = np.dtype(
         ("total_size", "<u8"),
         ("semantic_vocab", "<u4"),
         ("global_vocab", "<u4"),
-        ("server_pid", "<u8"),
-        ("server_start", "<u8"),  # /proc/PID/stat start time: guards against pid reuse
+        ("server_pid", "<u8"),  # informational only: in the server's own PID namespace
         ("server_epoch", "<u8"),  # random per server start
-        ("serving", "<u4"),  # 1 while serve_forever runs; 0 after a clean stop
+        ("server_uid", "<u4"),
+        ("phase", "<u4"),  # Phase
         ("max_batch", "<u4"),
-        # Live counters, written by the server only.
+        ("lanes", "<u4"),  # decode lanes of the server
+        ("busy_lanes", "<u4"),
+        ("started_ns", "<u8"),  # CLOCK_MONOTONIC when serving began
+        # Live counters, written by the server only (contiguous: viewed as one uint64 array).
         ("requests", "<u8"),
         ("batches", "<u8"),
         ("failed", "<u8"),
@@ -131,16 +213,22 @@ HEADER_DT = np.dtype(
         ("padded_tokens", "<u8"),
         ("queue_wait_ns", "<u8"),
         ("decode_ns", "<u8"),
+        ("latency_ns", "<u8"),  # submit -> result published, summed over requests
+        ("host_gap_ns", "<u8"),  # a lane idle while decodable work waited for the host
+        ("lane_busy_ns", "<u8"),  # lanes' time inside the decoder, summed over lanes
         ("batch_hist", "<u8", (HIST_BINS,)),
+        ("failed_by_status", "<u8", (N_STATUS,)),
+        ("queue_hist", "<u8", (N_TIME_BINS,)),  # per request, TIME_BUCKETS
+        ("latency_hist", "<u8", (N_TIME_BINS,)),  # per request
+        ("decode_hist", "<u8", (N_TIME_BINS,)),  # per batch
     ],
     align=True,
 )
 
-# The counters, contiguous in the header so they can be viewed as one uint64 array.
 COUNTERS = ("requests", "batches", "failed", "reclaimed", "tokens", "padded_tokens",
-            "queue_wait_ns", "decode_ns")  # fmt: skip
-(C_REQUESTS, C_BATCHES, C_FAILED, C_RECLAIMED, C_TOKENS, C_PADDED, C_QUEUE_WAIT,
- C_DECODE) = range(len(COUNTERS))  # fmt: skip
+            "queue_wait_ns", "decode_ns", "latency_ns", "host_gap_ns", "lane_busy_ns")  # fmt: skip
+(C_REQUESTS, C_BATCHES, C_FAILED, C_RECLAIMED, C_TOKENS, C_PADDED, C_QUEUE_WAIT, C_DECODE,
+ C_LATENCY, C_HOST_GAP, C_LANE_BUSY) = range(len(COUNTERS))  # fmt: skip
 assert [HEADER_DT.fields[c][1] for c in COUNTERS] == [
     HEADER_DT.fields[COUNTERS[0]][1] + 8 * i for i in range(len(COUNTERS))
 ], "counters must be contiguous"
@@ -151,12 +239,13 @@ SLOT_DT = np.dtype(
         ("dtype", "<u4"),  # OutputDtype
         ("generation", "<u8"),  # bumped by the server's reaper on reclaim
         ("req_generation", "<u8"),  # the generation the client believes it owns
-        ("owner_pid", "<u8"),
+        ("owner_pid", "<u8"),  # informational only: in the owner's own PID namespace
+        ("handle_id", "<u8"),  # random per client attachment: counts distinct clients
         ("request_seq", "<u8"),  # client-chosen, echoed into result_seq with the result
         ("result_seq", "<u8"),
         ("n_tokens", "<u4"),
         ("n_global", "<u4"),
-        ("notify", "<u4"),  # index of the done semaphore to post
+        ("notify", "<u4"),  # bell to ring besides done.I, or NO_BELL
         ("status", "<i4"),  # Status
         ("n_samples", "<u8"),
         ("t_submit_ns", "<u8"),  # CLOCK_MONOTONIC, shared by all processes on the host
@@ -168,20 +257,23 @@ SLOT_DT = np.dtype(
 )
 
 
-def drain(sem: posix_ipc.Semaphore) -> None:
-    """Take every pending post of ``sem`` without blocking (stale doorbells of a slot)."""
+def drain(sem: posix_ipc.Semaphore) -> int:
+    """Take every pending post of ``sem`` without blocking; returns how many there were."""
+    n = 0
     while True:
         try:
             sem.acquire(0)
         except posix_ipc.BusyError:
-            return
+            return n
+        n += 1
 
 
 def validate_name(name: str) -> str:
     """Return ``name`` if it is a usable segment name, else raise ``ValueError``."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(
-            f"invalid segment name {name!r}: use 1-128 characters from A-Z a-z 0-9 _ -"
+            f"invalid segment name {name!r}: use 1-120 characters from A-Z a-z 0-9 _ - "
+            "(optionally followed by a group member suffix .0 to .999)"
         )
     return name
 
@@ -227,101 +319,196 @@ class Layout:
         return self.pcm_off + self.n_slots * self.pcm_stride
 
 
-def _proc_stat(pid: int) -> tuple[bytes, int] | None:
-    """(state letter, start time in clock ticks since boot) of ``pid``, or None if none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
-def process_start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot, or 0 if there is no such process."""
-    stat = _proc_stat(pid)
-    return 0 if stat is None else stat[1]
-
-
-def process_alive(pid: int, start_time: int) -> bool:
-    """True if ``pid`` runs and is the same process that recorded ``start_time``."""
-    stat = _proc_stat(pid) if pid > 0 else None
-    # A zombie still has a /proc entry, but will never serve again.
-    return stat is not None and stat[0] not in (b"Z", b"X") and stat[1] == start_time
-
-
-def header_server_alive(h: np.void | np.ndarray) -> bool:
-    """True if the server that wrote header ``h`` is still running (pid reuse guarded)."""
-    return process_alive(int(h["server_pid"]), int(h["server_start"]))
-
+# -- OFD locks --------------------------------------------------------------------------------
 
 # struct flock on Linux (x86-64 and aarch64): short type, short whence, off_t start, off_t len,
 # pid_t pid (must be 0 for OFD locks), padded to 32 bytes.
 _FLOCK = struct.Struct("@hhqqi4x")
 
 
-def _ofd_lock(fd: int, index: int, *, exclusive: bool = True) -> bool:
-    """Try to take the OFD lock on byte ``index`` of ``fd`` without blocking."""
-    kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+def try_lock(fd: int, byte: int) -> bool:
+    """Take the exclusive OFD lock on ``byte`` of ``fd`` without blocking; False if held."""
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, index, 1, 0))
-    except OSError:
-        return False
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
     return True
 
 
-def _ofd_unlock(fd: int, index: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, index, 1, 0))
+def unlock(fd: int, byte: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, byte, 1, 0))
 
 
-def object_names(name: str, n_slots: int) -> list[str]:
-    """Every POSIX object name that a segment called ``name`` owns (for unlinking)."""
-    return [f"/{name}", f"/{name}.ready"] + [f"/{name}.done.{i}" for i in range(n_slots)]
+def held_elsewhere(fd: int, byte: int) -> bool:
+    """True if another open file description holds a lock on ``byte`` (F_OFD_GETLK)."""
+    out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
+
+
+# -- objects by name --------------------------------------------------------------------------
+
+
+def semaphore_names(name: str, n_slots: int) -> list[str]:
+    """Every semaphore a segment ``name`` of ``n_slots`` slots owns, as posix_ipc names."""
+    per_slot = [f"/{name}.{kind}.{i}" for kind in ("req", "done", "bell") for i in range(n_slots)]
+    return [f"/{name}.ready", f"/{name}.free", *per_slot]
+
+
+def leftover_objects(name: str) -> list[str]:
+    """Entries of /dev/shm that belong to ``name`` (for tests, ``cleanup`` and leak checks)."""
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return []
+    prefix = f"sem.{name}."
+    return sorted(
+        e for e in entries
+        if e == name or (e.startswith(prefix) and _SEM_SUFFIX_RE.match(e[len(prefix):]))
+    )  # fmt: skip
+
+
+def _unlink_semaphores(name: str) -> int:
+    removed = 0
+    for entry in leftover_objects(name):
+        if entry.startswith("sem."):
+            try:
+                posix_ipc.unlink_semaphore("/" + entry[4:])
+                removed += 1
+            except posix_ipc.ExistentialError:
+                pass
+    return removed
+
+
+def _unlink_segment(name: str) -> int:
+    try:
+        posix_ipc.unlink_shared_memory(f"/{name}")
+        return 1
+    except posix_ipc.ExistentialError:
+        return 0
+
+
+def unlink_all(name: str) -> int:
+    """Unlink the segment ``name`` and its semaphores, whoever made them; returns the count.
+
+    For test clean-up and ``bicodec-shm cleanup`` only: callers check first that no live server
+    holds the name (``probe``). Servers remove their own objects with ``Segment.unlink``.
+    """
+    return _unlink_semaphores(name) + _unlink_segment(name)
+
+
+def _same_inode(fd: int, name: str) -> bool:
+    """True if ``/dev/shm/NAME`` still names the inode open as ``fd``."""
+    try:
+        other = posix_ipc.SharedMemory(f"/{name}")
+    except posix_ipc.Error:
+        return False
+    try:
+        a, b = os.fstat(fd), os.fstat(other.fd)
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    finally:
+        other.close_fd()
+
+
+class ServerState(enum.Enum):
+    """What ``probe`` finds under a name."""
+
+    ABSENT = "absent"  # nothing, or not a segment of ours
+    SERVING = "serving"  # a live server takes requests
+    BUSY = "busy"  # a live server is starting or stopping (it holds the name, not SERVING)
+    DEAD = "dead"  # leftovers of a server that died: the next server takes them over
+
+
+def probe(name: str) -> ServerState:
+    """Find out, by its locks, whether a server lives under ``name`` (no pids involved)."""
+    validate_name(name)
+    try:
+        shm = posix_ipc.SharedMemory(f"/{name}")
+    except posix_ipc.Error:
+        return ServerState.ABSENT
+    try:
+        if held_elsewhere(shm.fd, SERVING_BYTE):
+            return ServerState.SERVING
+        if held_elsewhere(shm.fd, OWNER_BYTE):
+            return ServerState.BUSY
+        return ServerState.DEAD
+    finally:
+        shm.close_fd()
+
+
+# -- the segment ------------------------------------------------------------------------------
+
+_live_segments: weakref.WeakSet[Segment] = weakref.WeakSet()
+
+
+def _close_lock_fds_in_child() -> None:
+    # The child inherited every lock descriptor, and with them the parent's locks: a dead
+    # parent's slots would stay owned for as long as the child lives. Close the child's copies
+    # (this is the only descriptor of each lock's open file description: see Segment).
+    for seg in list(_live_segments):
+        seg._forget_locks_after_fork()
+
+
+os.register_at_fork(after_in_child=_close_lock_fds_in_child)
 
 
 class Segment:
-    """A mapped segment: numpy views over the header, the slot table and the payload areas.
+    """A mapped segment: numpy views over the header, slot table and payload, plus its
+    semaphores and locks.
 
-    The server creates it (``Segment.create``); clients attach (``Segment.attach``). ``close()``
-    runs in every process; ``unlink()`` only in the server. Views:
+    The server creates it (``Segment.create``), clients attach (``Segment.attach``).
+    ``close()`` runs in every process; ``unlink()`` only in the server that created it. Views:
 
-    - ``header``: 0-d structured array (``HEADER_DT``)
-    - ``slots``: (n_slots,) structured array (``SLOT_DT``)
-    - ``tokens``: (n_slots, max_tokens) int32
-    - ``globals``: (n_slots, 32) int32
-    - ``pcm_int16(i, n)`` / ``pcm_float32(i, n)``: the first n samples of slot i's PCM area
+    - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (11,) u8
+    - ``slots``: (n_slots,) structured array (``SLOT_DT``); ``field[name]``: one field of it
+    - ``tokens``: (n_slots, max_tokens) int32; ``globals``: (n_slots, 32) int32
+    - ``pcm16``: (n_slots, stride/2) int16 and ``pcm32``: (n_slots, stride/4) float32, the same
+      bytes: slot i's samples start at row i
+
+    Semaphores: ``ready``, ``free``, ``req(i)``, ``done(i)``, ``bell(j)`` (opened on first use
+    by clients; created up front by the server).
     """
 
     # Class-level defaults keep close() safe after a failed __init__.
-    _shm: posix_ipc.SharedMemory | None = None
     _mmap: mmap.mmap | None = None
-    ready: posix_ipc.Semaphore | None = None
-    done: list[posix_ipc.Semaphore] = []
+    _lock_fd: int = -1
+    _sems: dict[str, posix_ipc.Semaphore] | None = None
+    _creator: bool = False
 
-    def __init__(self, name: str, shm: posix_ipc.SharedMemory, layout: Layout) -> None:
+    def __init__(self, name: str, lock_fd: int, layout: Layout) -> None:
         self.name = name
         self.layout = layout
-        self._shm = shm
-        self._mmap = mmap.mmap(shm.fd, layout.total_size)
-        buf = self._mmap
+        self._lock_fd = lock_fd
+        self._sems = {}
+        self._map()
+        _live_segments.add(self)
+
+    def _map(self) -> None:
+        # A separate open for the mapping: mmap dups the descriptor it maps, and that dup would
+        # share the lock descriptor's open file description, and so its locks, with every
+        # process that inherits it.
+        shm = posix_ipc.SharedMemory(f"/{self.name}")
+        try:
+            a, b = os.fstat(shm.fd), os.fstat(self._lock_fd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                raise ServerUnavailableError(f"{self.name!r} was replaced while attaching")
+            self._mmap = mmap.mmap(shm.fd, self.layout.total_size)
+        finally:
+            shm.close_fd()
+        buf, lay = self._mmap, self.layout
         self.header = np.ndarray((), HEADER_DT, buf, 0)
-        self.slots = np.ndarray((layout.n_slots,), SLOT_DT, buf, layout.slots_off)
-        self.tokens = np.ndarray(
-            (layout.n_slots, layout.max_tokens), np.int32, buf, layout.tokens_off
-        )
-        self.globals = np.ndarray((layout.n_slots, N_GLOBAL), np.int32, buf, layout.globals_off)
-        self._pcm = np.ndarray(
-            (layout.n_slots, layout.pcm_stride), np.uint8, buf, layout.pcm_off
-        )
+        self.counters = np.ndarray((len(COUNTERS),), "<u8", buf, HEADER_DT.fields[COUNTERS[0]][1])
+        self.slots = np.ndarray((lay.n_slots,), SLOT_DT, buf, lay.slots_off)
         # One (n_slots,) view per slot field, made once: building a field view per access
         # costs about a microsecond, and the hot path touches a dozen fields per request.
-        self.field = {name: self.slots[name] for name in SLOT_DT.names}
-        # The live counters as one uint64 array (index with the C_* constants).
-        self.counters = np.ndarray((len(COUNTERS),), "<u8", buf, HEADER_DT.fields[COUNTERS[0]][1])
+        self.field = {f: self.slots[f] for f in SLOT_DT.names}
+        self.tokens = np.ndarray((lay.n_slots, lay.max_tokens), np.int32, buf, lay.tokens_off)
+        self.globals = np.ndarray((lay.n_slots, N_GLOBAL), np.int32, buf, lay.globals_off)
+        self.pcm16 = np.ndarray((lay.n_slots, lay.pcm_stride // 2), np.int16, buf, lay.pcm_off)
+        self.pcm32 = np.ndarray((lay.n_slots, lay.pcm_stride // 4), np.float32, buf, lay.pcm_off)
 
-    # -- construction -------------------------------------------------------------------
+    # -- construction (server) ------------------------------------------------------------
 
     @classmethod
     def create(
@@ -334,31 +521,36 @@ class Segment:
         semantic_vocab: int = 8192,
         global_vocab: int = 4096,
         max_batch: int = 0,
+        lanes: int = 1,
+        wait: float = 0.0,
     ) -> Segment:
-        """Create the segment and its semaphores with O_CREX (fails if the name exists)."""
+        """Own ``name`` exclusively and create a fresh segment and its semaphores under it.
+
+        Leftovers of a dead server are taken over (their lock is free). A live server makes
+        this raise ``ServerAlreadyRunningError``; one that is starting or stopping is waited
+        for up to ``wait`` seconds (a rolling restart) before raising the same.
+        The segment is complete when this returns, but not yet served: call
+        ``start_serving()``.
+        """
         validate_name(name)
-        if not 1 <= n_slots <= 4096:
-            raise ValueError(f"slots must be in 1..4096, got {n_slots}")
+        if not 1 <= n_slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {n_slots}")
         if not 1 <= max_tokens <= 100_000:
             raise ValueError(f"max_tokens must be in 1..100000, got {max_tokens}")
         layout = Layout(n_slots, max_tokens)
         check_free_space(layout.total_size)
-        shm = posix_ipc.SharedMemory(
-            f"/{name}", posix_ipc.O_CREX, mode=mode, size=layout.total_size
-        )
-        seg = cls(name, shm, layout)
+        lock_fd = _own_name(name, mode, time.monotonic() + wait)
         try:
-            # Who is creating it, first: a creator killed before it writes the magic leaves a
-            # segment that the next server recognises as stale by this pid.
-            seg.header["server_pid"] = os.getpid()
-            seg.header["server_start"] = process_start_time(os.getpid())
-            # The umask narrows the mode given at creation: set it explicitly afterwards.
-            os.fchmod(shm.fd, mode)
-            seg.ready = posix_ipc.Semaphore(f"/{name}.ready", posix_ipc.O_CREX, mode, 0)
-            seg.done = []
-            for i in range(n_slots):
-                seg.done.append(posix_ipc.Semaphore(f"/{name}.done.{i}", posix_ipc.O_CREX, mode, 0))
-            _chmod_semaphores(name, n_slots, mode)
+            _reserve(lock_fd, layout.total_size, name)
+            os.fchmod(lock_fd, mode)  # the umask narrowed the mode given at creation
+            seg = cls(name, lock_fd, layout)
+        except BaseException:
+            _unlink_segment(name)
+            os.close(lock_fd)
+            raise
+        seg._creator = True
+        try:
+            seg._create_semaphores(mode)
             h = seg.header
             h["version"] = LAYOUT_VERSION
             h["header_size"] = HEADER_SIZE
@@ -370,21 +562,58 @@ class Segment:
             h["semantic_vocab"] = semantic_vocab
             h["global_vocab"] = global_vocab
             h["max_batch"] = max_batch
-            # Order matters: magic last, so an attaching client never accepts a half-written
-            # header (it checks magic first).
+            h["lanes"] = lanes
+            h["server_pid"] = os.getpid()
+            h["server_uid"] = os.geteuid()
+            h["server_epoch"] = secrets.randbits(63)
+            h["phase"] = Phase.CREATING
+            # Order matters: magic last, so that a reader never accepts a half-written header.
             h["magic"] = MAGIC
         except BaseException:
             seg.close()
-            seg.unlink()
             raise
         return seg
 
-    @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Open an existing segment by name without resizing it, and verify its header.
+    def _create_semaphores(self, mode: int) -> None:
+        # We own the name, so whatever semaphores exist under it are a dead server's.
+        stale = _unlink_semaphores(self.name)
+        if stale:
+            log.info("removed %d stale semaphore(s) of %r", stale, self.name)
+        for sem_name in semaphore_names(self.name, self.layout.n_slots):
+            sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode, 0)
+            self._sems[sem_name] = sem
+            # posix_ipc cannot fchmod a semaphore, and the umask narrowed it: on Linux each
+            # one is the file /dev/shm/sem.NAME.
+            path = f"/dev/shm/sem.{sem_name[1:]}"
+            if os.path.exists(path):
+                os.chmod(path, mode)
 
-        Raises ``ServerUnavailableError`` if nothing exists under the name and ``SegmentError``
-        if what exists is not a bicodec-shm segment of this layout version.
+    def start_serving(self) -> None:
+        """Take the SERVING lock: from now on clients see this server as alive."""
+        self.header["phase"] = Phase.SERVING
+        self.header["started_ns"] = time.monotonic_ns()
+        # Order matters: the header above, then the lock (see "Memory ordering").
+        if not try_lock(self._lock_fd, SERVING_BYTE):
+            raise ServerAlreadyRunningError(f"could not take the serving lock of {self.name!r}")
+
+    def stop_serving(self) -> None:
+        """Release the SERVING lock: clients now resubmit what this server has not answered."""
+        if self._lock_fd >= 0:
+            self.header["phase"] = Phase.STOPPING
+            unlock(self._lock_fd, SERVING_BYTE)
+
+    # -- attaching (clients) --------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, name: str, *, owner_uid: int | None = None) -> Segment:
+        """Map the segment a live server serves under ``name``, after checking its header.
+
+        Args:
+            owner_uid: the uid that must own the segment (default: this process's euid).
+
+        Raises ``ServerUnavailableError`` if no live server serves the name (yet), and
+        ``SegmentError`` if what is there is not a bicodec-shm segment of this layout version
+        or is owned by an unexpected user.
         """
         validate_name(name)
         try:
@@ -399,96 +628,142 @@ class Segment:
                 f"/dev/shm/{name} exists but this user may not open it ({e}); the server "
                 "creates it with mode 0o600 (owner only) unless started with --mode 0o660"
             ) from None
+        fd = shm.fd  # this descriptor becomes the lock descriptor; nothing else dups it
         try:
-            layout = _read_layout(name, shm)
-            seg = cls(name, shm, layout)
+            expected = os.geteuid() if owner_uid is None else owner_uid
+            owner = os.fstat(fd).st_uid
+            if owner != expected:
+                raise SegmentError(
+                    f"/dev/shm/{name} belongs to uid {owner}, not to uid {expected}: refusing "
+                    "to attach (pass owner_uid= / --server-uid to trust that user's server)"
+                )
+            if not held_elsewhere(fd, SERVING_BYTE):
+                raise ServerUnavailableError(
+                    f"{name!r} exists but no server serves it right now (it is starting, "
+                    "stopping, or died)"
+                )
+            layout = _read_layout(name, fd)  # ordered after the probe above
+            return cls(name, fd, layout)
         except BaseException:
-            shm.close_fd()
+            os.close(fd)
             raise
-        try:
-            seg.ready = posix_ipc.Semaphore(f"/{name}.ready")
-            seg.done = [posix_ipc.Semaphore(f"/{name}.done.{i}") for i in range(layout.n_slots)]
-        except posix_ipc.ExistentialError:
-            seg.close()
-            raise ServerUnavailableError(
-                f"the segment {name!r} exists but its semaphores are gone: its server is "
-                "stopping or died while starting"
-            ) from None
-        return seg
 
-    # -- payload views ------------------------------------------------------------------
+    # -- semaphores -------------------------------------------------------------------------
 
-    def pcm_int16(self, slot: int, n_samples: int) -> np.ndarray:
-        """(n_samples,) int16 view into slot ``slot``'s PCM area."""
-        return self._pcm[slot, : n_samples * 2].view(np.int16)
+    def _sem(self, sem_name: str) -> posix_ipc.Semaphore:
+        sems = self._sems
+        sem = sems.get(sem_name)
+        if sem is None:
+            if sems is None or self._lock_fd < 0:
+                raise ServerUnavailableError(f"the attachment to {self.name!r} is closed")
+            try:
+                sem = posix_ipc.Semaphore(sem_name)
+            except posix_ipc.ExistentialError:
+                raise ServerUnavailableError(f"{self.name!r} is gone (its semaphores are)") from None
+            # The name may already belong to a newer server's semaphore. It is ours if our
+            # server still serves: servers only unlink or create them while they own the name.
+            if not self.serving():
+                sem.close()
+                raise ServerUnavailableError(f"the server of {self.name!r} stopped")
+            sems[sem_name] = sem
+        return sem
 
-    def pcm_float32(self, slot: int, n_samples: int) -> np.ndarray:
-        """(n_samples,) float32 view into slot ``slot``'s PCM area."""
-        return self._pcm[slot, : n_samples * 4].view(np.float32)
+    @property
+    def ready(self) -> posix_ipc.Semaphore:
+        return self._sem(f"/{self.name}.ready")
+
+    @property
+    def free(self) -> posix_ipc.Semaphore:
+        return self._sem(f"/{self.name}.free")
+
+    def req(self, slot: int) -> posix_ipc.Semaphore:
+        return self._sem(f"/{self.name}.req.{slot}")
+
+    def done(self, slot: int) -> posix_ipc.Semaphore:
+        return self._sem(f"/{self.name}.done.{slot}")
+
+    def bell(self, index: int) -> posix_ipc.Semaphore:
+        return self._sem(f"/{self.name}.bell.{index}")
 
     def error_text(self, slot: int) -> str:
         return bytes(self.slots["error"][slot]).decode("utf-8", "replace")
 
-    # -- slot locks (ownership) ---------------------------------------------------------
-
-    @property
-    def fd(self) -> int:
-        assert self._shm is not None
-        return self._shm.fd
+    # -- locks ------------------------------------------------------------------------------
 
     def try_lock_slot(self, slot: int) -> bool:
-        """Take the OFD lock that marks ownership of ``slot``; False if someone holds it."""
-        return _ofd_lock(self.fd, slot)
+        """Take the lock that marks ownership of ``slot``; False if someone holds it."""
+        return try_lock(self._lock_fd, SLOT_BYTE0 + slot)
 
     def unlock_slot(self, slot: int) -> None:
-        _ofd_unlock(self.fd, slot)
+        unlock(self._lock_fd, SLOT_BYTE0 + slot)
 
-    # -- server liveness ----------------------------------------------------------------
+    def try_lock_bell(self, index: int) -> bool:
+        return try_lock(self._lock_fd, BELL_BYTE0 + index)
 
-    def server_alive(self) -> bool:
-        h = self.header
-        return bool(h["serving"]) and header_server_alive(h)
+    def unlock_bell(self, index: int) -> None:
+        unlock(self._lock_fd, BELL_BYTE0 + index)
 
-    # -- lifecycle ----------------------------------------------------------------------
+    def slot_owned_elsewhere(self, slot: int) -> bool:
+        return held_elsewhere(self._lock_fd, SLOT_BYTE0 + slot)
+
+    def serving(self) -> bool:
+        """True while the server of *this* segment takes requests (one fcntl, no pids)."""
+        fd = self._lock_fd
+        if fd < 0:
+            return False
+        if self._creator:
+            return self.header is not None and int(self.header["phase"]) == Phase.SERVING
+        try:
+            return held_elsewhere(fd, SERVING_BYTE)
+        except OSError:
+            return False
+
+    # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release this process's view and handles (every process calls this)."""
-        for sem in [self.ready, *self.done]:
-            if sem is not None:
-                try:
-                    sem.close()
-                except posix_ipc.Error:
-                    pass
-        self.ready, self.done = None, []
-        self.header = self.slots = self.tokens = self.globals = self._pcm = None  # type: ignore[assignment]
-        self.field, self.counters = {}, None  # type: ignore[assignment]
+        """Release this process's view, semaphores and locks (every process calls this).
+
+        In the creating server, call ``unlink()`` first: closing drops the name's ownership.
+        """
+        _live_segments.discard(self)
+        for sem in (self._sems or {}).values():
+            try:
+                sem.close()
+            except posix_ipc.Error:
+                pass
+        self._sems = None
+        self.header = self.counters = self.slots = None  # type: ignore[assignment]
+        self.tokens = self.globals = self.pcm16 = self.pcm32 = None  # type: ignore[assignment]
+        self.field = {}
         if self._mmap is not None:
             try:
                 self._mmap.close()
             except BufferError:
-                # A caller still holds a view into the mapping; the kernel frees it on exit.
-                pass
+                # Someone still holds a view into the mapping; the kernel frees it at exit.
+                log.debug("a view of %r outlived its segment; leaving it mapped", self.name)
             self._mmap = None
-        if self._shm is not None:
-            try:
-                self._shm.close_fd()  # also drops every OFD lock taken through this fd
-            except posix_ipc.Error:
-                pass
-            self._shm = None
-
-    def drop_fd(self) -> None:
-        """Close the fd without touching the mapping: used in a forked child so the child's
-        copy of the fd no longer keeps the parent's slot locks alive."""
-        if self._shm is not None:
-            try:
-                os.close(self._shm.fd)
-            except OSError:
-                pass
-            self._shm = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops every lock taken through it
+            self._lock_fd = -1
 
     def unlink(self) -> None:
-        """Remove every named object of this segment (server only)."""
-        unlink_all(self.name, self.layout.n_slots)
+        """Remove every named object of this segment (only its creator, owning the name)."""
+        if not self._creator or self._lock_fd < 0:
+            raise SegmentError(f"only the server that created {self.name!r} may unlink it")
+        # Order matters: semaphores first, while the segment's name still keeps every other
+        # would-be server out; then the segment itself. The name lock goes with close().
+        _unlink_semaphores(self.name)
+        _unlink_segment(self.name)
+        self.header["phase"] = Phase.STOPPED
+
+    def _forget_locks_after_fork(self) -> None:
+        if self._lock_fd >= 0:
+            try:
+                os.close(self._lock_fd)
+            except OSError:
+                pass
+            self._lock_fd = -1
+        self._creator = False
 
     def __enter__(self) -> Segment:
         return self
@@ -503,12 +778,89 @@ class Segment:
         )
 
 
-def check_free_space(needed: int, directory: str = "/dev/shm") -> None:
-    """Raise ``SharedMemoryFullError`` unless ``directory`` has ``needed`` bytes free.
+def _own_name(name: str, mode: int, deadline: float) -> int:
+    """Become the only owner of ``name``; returns the lock descriptor of a fresh, empty
+    segment whose OWNER lock it holds.
 
-    tmpfs allocates pages lazily, so a too-small /dev/shm would otherwise fail later, with
-    SIGBUS in whichever process first touches a missing page.
+    Every path that creates or unlinks the name holds the OWNER lock of the inode the name
+    points to and checks, after locking, that the name still points there. So two servers
+    started together never both serve, and nobody unlinks a live server's objects.
     """
+    while True:
+        created = True
+        try:
+            shm = posix_ipc.SharedMemory(f"/{name}", posix_ipc.O_CREX, mode=mode, size=0)
+        except posix_ipc.ExistentialError:
+            created = False
+            try:
+                shm = posix_ipc.SharedMemory(f"/{name}")
+            except posix_ipc.ExistentialError:
+                continue  # unlinked in between: try to create it again
+            except posix_ipc.PermissionsError as e:
+                raise SegmentError(f"/dev/shm/{name} exists and this user may not open it ({e})") from None
+        fd = shm.fd
+        if not try_lock(fd, OWNER_BYTE):
+            serving = held_elsewhere(fd, SERVING_BYTE)
+            os.close(fd)
+            if serving:
+                raise ServerAlreadyRunningError(
+                    f"a bicodec-shm server is already serving {name!r}; stop it first or "
+                    "choose another --name"
+                )
+            if time.monotonic() >= deadline:
+                raise ServerAlreadyRunningError(
+                    f"another bicodec-shm server is starting or stopping under {name!r}; "
+                    "wait for it or choose another --name"
+                )
+            time.sleep(0.05)
+            continue
+        if not _same_inode(fd, name):
+            os.close(fd)  # replaced under us: the name is someone else's now
+            continue
+        if created:
+            return fd
+        try:
+            _check_takeover(name, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        log.warning("taking over %r, left behind by a server that died", name)
+        _unlink_semaphores(name)
+        _unlink_segment(name)
+        os.close(fd)
+
+
+def _check_takeover(name: str, fd: int) -> None:
+    """Refuse to remove something under ``name`` that is not a bicodec-shm segment."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return  # its creator died before reserving it
+    if size >= 8:
+        magic = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
+        if magic in (0, MAGIC):
+            return
+    raise SegmentError(f"/dev/shm/{name} exists and is not a bicodec-shm segment; refusing to remove it")
+
+
+def _reserve(fd: int, size: int, name: str) -> None:
+    """Size the new segment and reserve its pages now, so that a full /dev/shm is an error at
+    start rather than a SIGBUS in whichever process first touches a missing page later."""
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise SharedMemoryFullError(
+                f"/dev/shm has no room to reserve the segment of {name!r} "
+                f"({size / 2**20:.1f} MiB): lower --slots or --max-tokens, or give the container "
+                "more shared memory (docker run --ipc=host, or --shm-size=1g)"
+            ) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def check_free_space(needed: int, directory: str = "/dev/shm") -> None:
+    """Raise ``SharedMemoryFullError`` unless ``directory`` has ``needed`` bytes free."""
     try:
         st = os.statvfs(directory)
     except OSError:
@@ -522,66 +874,11 @@ def check_free_space(needed: int, directory: str = "/dev/shm") -> None:
         )
 
 
-def read_header(name: str) -> np.void | None:
-    """A copy of the raw header of ``/dev/shm/NAME`` without validating it, or None if the
-    name does not exist or is too small to hold a header."""
-    validate_name(name)
-    try:
-        shm = posix_ipc.SharedMemory(f"/{name}")
-    except posix_ipc.Error:
-        return None
-    try:
-        if os.fstat(shm.fd).st_size < HEADER_SIZE:
-            return None
-        with mmap.mmap(shm.fd, HEADER_SIZE, prot=mmap.PROT_READ) as m:
-            return np.frombuffer(m, HEADER_DT, 1)[0].copy()
-    finally:
-        shm.close_fd()
-
-
-def stats_from_header(h: np.void) -> dict:
-    """The live counters of a header as plain Python numbers (see ``bicodec-shm stats``)."""
-    batches = int(h["batches"])
-    requests = int(h["requests"])
-    hist = [int(v) for v in h["batch_hist"]]
-    rows = sum(b * n for b, n in enumerate(hist))
-    return {
-        "server_pid": int(h["server_pid"]),
-        "server_epoch": int(h["server_epoch"]),
-        "serving": bool(h["serving"]),
-        "slots": int(h["n_slots"]),
-        "max_tokens": int(h["max_tokens"]),
-        "max_batch": int(h["max_batch"]),
-        "requests": requests,
-        "batches": batches,
-        "failed": int(h["failed"]),
-        "reclaimed": int(h["reclaimed"]),
-        "tokens": int(h["tokens"]),
-        "padded_tokens": int(h["padded_tokens"]),
-        "avg_batch_size": rows / batches if batches else 0.0,
-        "avg_queue_wait_ms": int(h["queue_wait_ns"]) / 1e6 / requests if requests else 0.0,
-        "avg_batch_time_ms": int(h["decode_ns"]) / 1e6 / batches if batches else 0.0,
-        "batch_size_histogram": {b: n for b, n in enumerate(hist) if n},
-    }
-
-
-def _chmod_semaphores(name: str, n_slots: int, mode: int) -> None:
-    # posix_ipc cannot fchmod a semaphore; on Linux each lives at /dev/shm/sem.NAME.
-    for obj in object_names(name, n_slots)[1:]:
-        path = f"/dev/shm/sem.{obj[1:]}"
-        if os.path.exists(path):
-            os.chmod(path, mode)
-
-
-def _read_layout(name: str, shm: posix_ipc.SharedMemory) -> Layout:
-    size = os.fstat(shm.fd).st_size
+def _read_layout(name: str, fd: int) -> Layout:
+    size = os.fstat(fd).st_size
     if size < HEADER_SIZE:
-        raise SegmentError(
-            f"/dev/shm/{name} is {size} bytes, too small to be a bicodec-shm segment "
-            "(it is not ours, or its server died while creating it)"
-        )
-    with mmap.mmap(shm.fd, HEADER_SIZE, prot=mmap.PROT_READ) as m:
-        h = np.frombuffer(m, HEADER_DT, 1)[0].copy()
+        raise SegmentError(f"/dev/shm/{name} is {size} bytes, too small to be a bicodec-shm segment")
+    h = np.frombuffer(os.pread(fd, HEADER_DT.itemsize, 0), HEADER_DT, 1)[0]
     if int(h["magic"]) != MAGIC:
         raise SegmentError(f"/dev/shm/{name} is not a bicodec-shm segment (bad magic)")
     if int(h["version"]) != LAYOUT_VERSION:
@@ -604,42 +901,53 @@ def _read_layout(name: str, shm: posix_ipc.SharedMemory) -> Layout:
     return layout
 
 
-def unlink_all(name: str, n_slots: int | None = None) -> int:
-    """Unlink the segment ``name`` and its semaphores; returns how many objects were removed.
-
-    With ``n_slots`` None, every ``sem.NAME.done.*`` found in /dev/shm is removed.
-    """
-    removed = 0
+def read_header(name: str) -> np.void | None:
+    """A copy of the raw header of ``/dev/shm/NAME`` without validating it, or None if the
+    name does not exist or is too small to hold a header."""
+    validate_name(name)
     try:
-        posix_ipc.unlink_shared_memory(f"/{name}")
-        removed += 1
-    except posix_ipc.ExistentialError:
-        pass
-    names = [f"/{name}.ready"]
-    if n_slots is None:
-        prefix = f"sem.{name}.done."
-        try:
-            names += ["/" + f[4:] for f in os.listdir("/dev/shm") if f.startswith(prefix)]
-        except OSError:
-            pass
-    else:
-        names += [f"/{name}.done.{i}" for i in range(n_slots)]
-    for sem in names:
-        try:
-            posix_ipc.unlink_semaphore(sem)
-            removed += 1
-        except posix_ipc.ExistentialError:
-            pass
-    return removed
-
-
-def leftover_objects(name: str) -> list[str]:
-    """Entries of /dev/shm that belong to ``name`` (for tests and the soak's leak check)."""
+        shm = posix_ipc.SharedMemory(f"/{name}")
+    except posix_ipc.Error:
+        return None
     try:
-        entries = os.listdir("/dev/shm")
-    except OSError:
-        return []
-    return sorted(
-        e for e in entries if e == name or e.startswith(f"sem.{name}.")
-    )
+        if os.fstat(shm.fd).st_size < HEADER_SIZE:
+            return None
+        return np.frombuffer(os.pread(shm.fd, HEADER_DT.itemsize, 0), HEADER_DT, 1)[0].copy()
+    finally:
+        shm.close_fd()
 
+
+def stats_from_header(h: np.void | np.ndarray) -> dict:
+    """The live counters of a header as plain Python numbers (see ``bicodec-shm stats``)."""
+    batches = int(h["batches"])
+    requests = int(h["requests"])
+    tokens, padded = int(h["tokens"]), int(h["padded_tokens"])
+    hist = [int(v) for v in h["batch_hist"]]
+    rows = sum(b * n for b, n in enumerate(hist))
+    failed = {Status(i).name: int(n) for i, n in enumerate(h["failed_by_status"]) if n and i in
+              Status._value2member_map_}  # fmt: skip
+    return {
+        "server_pid": int(h["server_pid"]),
+        "server_epoch": int(h["server_epoch"]),
+        "phase": Phase(int(h["phase"])).name.lower() if int(h["phase"]) < 4 else "unknown",
+        "slots": int(h["n_slots"]),
+        "max_tokens": int(h["max_tokens"]),
+        "max_batch": int(h["max_batch"]),
+        "lanes": int(h["lanes"]),
+        "busy_lanes": int(h["busy_lanes"]),
+        "requests": requests,
+        "batches": batches,
+        "failed": int(h["failed"]),
+        "failed_by_status": failed,
+        "reclaimed": int(h["reclaimed"]),
+        "tokens": tokens,
+        "padded_tokens": padded,
+        "padding_share": (padded - tokens) / padded if padded else 0.0,
+        "avg_batch_size": rows / batches if batches else 0.0,
+        "avg_queue_wait_ms": int(h["queue_wait_ns"]) / 1e6 / requests if requests else 0.0,
+        "avg_latency_ms": int(h["latency_ns"]) / 1e6 / requests if requests else 0.0,
+        "avg_batch_time_ms": int(h["decode_ns"]) / 1e6 / batches if batches else 0.0,
+        "host_gap_ms": int(h["host_gap_ns"]) / 1e6,
+        "lane_busy_ms": int(h["lane_busy_ns"]) / 1e6,
+        "batch_size_histogram": {b: n for b, n in enumerate(hist) if n},
+    }

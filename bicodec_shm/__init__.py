@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     BiCodecShmError,
     CheckpointError,
+    ClientClosedError,
     DecodeError,
     DecodeTimeoutError,
     SegmentError,
@@ -57,6 +58,7 @@ __all__ = [
     "BiCodecDecoder",
     "BiCodecShmError",
     "CheckpointError",
+    "ClientClosedError",
     "DecodeError",
     "DecodeStream",
     "DecodeTimeoutError",

@@ -10,6 +10,7 @@
         ├── DecodeError                 the server could not decode this one request
         ├── ServerUnavailableError      no live server behind the name (none yet, or it died)
         │   └── DecodeTimeoutError      the request's deadline passed (also a TimeoutError)
+        ├── ClientClosedError           the handle was closed before or while the call ran
         ├── SegmentError                the name exists but is not a usable bicodec-shm segment
         ├── ServerAlreadyRunningError   ``serve`` under a name whose server is alive
         └── SharedMemoryFullError       /dev/shm lacks room for the segment
@@ -55,6 +56,10 @@ class ServerUnavailableError(BiCodecShmError):
 
 class DecodeTimeoutError(ServerUnavailableError, TimeoutError):
     """The request's timeout expired before its audio arrived (the server may be overloaded)."""
+
+
+class ClientClosedError(BiCodecShmError):
+    """The ``DecoderClient`` was closed before or while this call ran; open a new handle."""
 
 
 class SegmentError(BiCodecShmError):

@@ -1,0 +1,560 @@
+"""One client attachment to one server incarnation: slots claimed on demand, requests, results.
+
+numpy and posix_ipc only. ``DecoderClient`` (client.py) holds one ``Attachment`` at a time and
+replaces it whole when its server goes away; everything here belongs to one segment and dies
+with it. See transport.py for the layout, the slot states and the memory-ordering rule.
+
+- **Slots on demand.** A request takes an idle slot of this attachment, else claims a FREE
+  slot of the segment (up to ``max_slots``), else waits, in short slices, for one to come
+  free. The OFD lock on a claimed slot is its ownership; the kernel drops it if we die. When
+  the attachment's last request finishes it keeps one idle slot and gives the others back.
+- **Synchronous requests** wait on their slot's own ``done`` semaphore.
+- **asyncio requests** ask the server to ring this attachment's *bell* besides ``done``. One
+  waiter thread per attachment sleeps on the bell, then takes ``done`` of each pending slot
+  (the pairing read) and resolves futures with ``loop.call_soon_threadsafe``: no thread per
+  request, and the event loop never blocks. The bell and the thread go away when idle.
+- **Abandoned requests** (timed out on our side) keep their slot out of use until their answer
+  arrives (the server may still read the slot); the waiter thread takes that answer and gives
+  the slot back. If the server dies first, the whole attachment is dropped, those slots with it.
+- **Retiring.** When the server goes away, or the handle closes, ``retire`` fails every waiter
+  and pending future at once. The segment is unmapped when the last thread using it leaves:
+  every use of the mapping or its semaphores happens inside ``use()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from .errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
+from .transport import CLAIMED, DONE, FREE, N_GLOBAL, NO_BELL, READY, OutputDtype, Segment, Status, drain
+
+SLICE = 0.1  # seconds a waiter sleeps before checking that its server still serves
+_FLOAT32 = int(OutputDtype.FLOAT32)
+_BELL_IDLE = 2.0  # seconds without async requests before the waiter thread and bell go away
+
+
+class Gone(Exception):
+    """Internal: this attachment's server went away; re-attach and resubmit.
+
+    Never reaches a caller: ``DecoderClient`` catches it and turns it into a retry, or into
+    ``ServerUnavailableError`` at the deadline.
+    """
+
+
+class Attachment:
+    """The mapped segment of one server incarnation and what this process owns in it.
+
+    Args:
+        name: the server's segment name.
+        max_slots: most slots this attachment may own at once (its request concurrency).
+        owner_uid: the uid that must own the segment (None: our own euid).
+    """
+
+    segment: Segment | None = None
+
+    def __init__(self, name: str, *, max_slots: int, owner_uid: int | None) -> None:
+        self.segment = Segment.attach(name, owner_uid=owner_uid)
+        header = self.segment.header
+        # Limits the client validates against, read once (the header is fixed after start).
+        self.semantic_vocab = int(header["semantic_vocab"])
+        self.global_vocab = int(header["global_vocab"])
+        self.max_tokens = int(header["max_tokens"])
+        self.n_slots = int(header["n_slots"])
+        self.name = name
+        self.max_slots = max_slots
+        self.handle_id = secrets.randbits(63)
+        self.seq = itertools.count(1)
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # a slot came back, or users dropped
+        self.owned: set[int] = set()
+        self.idle: list[int] = []  # owned, not in use; the last one is the warmest
+        self.in_use = 0
+        self.claiming = 0
+        self.generation: dict[int, int] = {}
+        self.async_slot_waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self.pending: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.abandoned: dict[int, int] = {}  # slot -> seq of a request nobody waits for
+        self.bell: int | None = None
+        self.waiter: threading.Thread | None = None
+        self.users = 0  # threads inside use(): the mapping must outlive them
+        self.retired: BaseException | None = None  # why this attachment takes no more work
+        self.unmapped = False
+
+    # -- using the mapping safely --------------------------------------------------------
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[Segment]:
+        """Hold the mapping for the duration of the block; raise if the attachment retired."""
+        with self.lock:
+            if self.retired is not None:
+                raise self._retired_error()
+            self.users += 1
+        try:
+            yield self.segment  # type: ignore[misc]
+        except posix_ipc.Error as exc:
+            # A semaphore vanished or was closed under us: the server went away.
+            raise Gone() from exc
+        except ServerUnavailableError as exc:  # raised by Segment when it finds the server gone
+            raise Gone() from exc
+        finally:
+            with self.lock:
+                self.users -= 1
+                last = self.users == 0 and self.retired is not None
+                if last:
+                    self.changed.notify_all()
+            if last:
+                self._unmap()
+
+    def _retired_error(self) -> BaseException:
+        """A fresh exception for each caller (one instance raised in several threads would
+        share, and garble, its traceback)."""
+        reason = self.retired
+        return Gone() if reason is None or isinstance(reason, Gone) else type(reason)(str(reason))
+
+    def serving(self) -> bool:
+        seg = self.segment
+        return seg is not None and not self.unmapped and seg.serving()
+
+    def check_alive(self) -> None:
+        """Raise ``Gone`` (and retire) if the server no longer serves."""
+        if not self.serving():
+            self.retire(Gone())
+            raise Gone()
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def take_slot(self, deadline: float) -> int:
+        """An owned slot ready for a request; blocks (in slices) until one is free."""
+        while True:
+            slot, may_claim = self._take_local()
+            if slot is not None:
+                return slot
+            if may_claim:
+                slot = self._claim_or_none()
+                if slot is not None:
+                    return slot
+                self._wait_for_segment_slot(deadline)
+            else:
+                with self.lock:
+                    if not self.idle and self.retired is None:
+                        self.changed.wait(min(SLICE, max(0.0, deadline - time.monotonic())))
+            self._check_slot_wait(deadline)
+
+    async def take_slot_async(self, deadline: float) -> int:
+        """``take_slot`` for asyncio: never blocks the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            slot, may_claim = self._take_local()
+            if slot is not None:
+                return slot
+            if may_claim:
+                slot = self._claim_or_none()
+                if slot is not None:
+                    return slot
+                # No FREE slot in the segment: look again shortly (only under exhaustion).
+                await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+            else:
+                future = loop.create_future()
+                entry = (loop, future)
+                with self.lock:
+                    self.async_slot_waiters.append(entry)
+                try:
+                    left = max(0.0, deadline - time.monotonic())
+                    await asyncio.wait_for(asyncio.shield(future), min(SLICE, left))
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    with self.lock:
+                        if entry in self.async_slot_waiters:
+                            self.async_slot_waiters.remove(entry)
+            self._check_slot_wait(deadline)
+
+    def _take_local(self) -> tuple[int | None, bool]:
+        with self.lock:
+            if self.retired is not None:
+                raise self._retired_error()
+            if self.idle:
+                self.in_use += 1
+                return self.idle.pop(), False
+            may_claim = len(self.owned) + self.claiming < self.max_slots
+            if may_claim:
+                self.claiming += 1
+            return None, may_claim
+
+    def _check_slot_wait(self, deadline: float) -> None:
+        self.check_alive()
+        if time.monotonic() >= deadline:
+            raise DecodeTimeoutError(
+                f"timed out waiting for a free slot on {self.name!r}: this handle's "
+                f"{self.max_slots} slots, or all {self.n_slots} of the server, are busy "
+                "(raise the handle's `slots`, the server's --slots, or the timeout)"
+            )
+
+    def _claim_or_none(self) -> int | None:
+        """Claim one FREE slot of the segment (lock first, then re-check); None if none."""
+        try:
+            with self.use() as seg:
+                states = seg.field["state"]
+                free = np.flatnonzero(states == FREE)  # a hint: the lock decides
+                if len(free):
+                    start = random.randrange(len(free))  # spread claimers over the table
+                    for slot in np.roll(free, -start).tolist():
+                        if not seg.try_lock_slot(slot):
+                            continue
+                        if states[slot] != FREE:  # a claim or a reap raced us
+                            seg.unlock_slot(slot)
+                            continue
+                        self._own(seg, slot)
+                        return slot
+                return None
+        finally:
+            with self.lock:
+                self.claiming -= 1
+
+    def _own(self, seg: Segment, slot: int) -> None:
+        try:
+            # Stale posts of an earlier owner's life must not answer our first request.
+            drain(seg.done(slot))
+            drain(seg.req(slot))
+        except BaseException:
+            seg.unlock_slot(slot)
+            raise
+        f = seg.field
+        self.generation[slot] = int(f["generation"][slot])
+        f["owner_pid"][slot] = os.getpid()
+        f["handle_id"][slot] = self.handle_id
+        f["state"][slot] = CLAIMED
+        with self.lock:
+            self.owned.add(slot)
+            self.in_use += 1
+
+    def _wait_for_segment_slot(self, deadline: float) -> None:
+        """Sleep until some client or the reaper posts ``free``, or one slice passes."""
+        left = max(0.0, deadline - time.monotonic())
+        # With requests of our own in flight, one of our slots may come back sooner.
+        timeout = min(SLICE / 5 if self.in_use else SLICE, left)
+        with self.use() as seg:
+            try:
+                seg.free.acquire(timeout)
+            except posix_ipc.BusyError:
+                pass
+
+    def give(self, slot: int) -> None:
+        """A request finished with ``slot`` (state CLAIMED): reuse it, or give it back."""
+        with self.lock:
+            if self.retired is not None:
+                return
+            self.in_use -= 1
+            self.idle.append(slot)
+            self.changed.notify()
+            if self.async_slot_waiters:
+                _resolve(*self.async_slot_waiters.popleft(), None, True)
+                return
+            # Quiescent: keep one warm slot, give the rest back for other processes.
+            surplus = self.idle[:-1] if self.in_use == 0 and self.claiming == 0 else []
+            del self.idle[: len(surplus)]
+            self.owned.difference_update(surplus)
+        if surplus:
+            self._release(surplus)
+
+    def _release(self, slots: list[int]) -> None:
+        try:
+            with self.use() as seg:
+                f = seg.field
+                for slot in slots:
+                    f["owner_pid"][slot] = 0
+                    f["handle_id"][slot] = 0
+                    # Order matters: FREE before unlocking (the next claimer checks it under
+                    # the lock), and the doorbell after.
+                    f["state"][slot] = FREE
+                    seg.unlock_slot(slot)
+                    seg.free.release()
+        except Gone:
+            pass  # the server went away: those slots go with the attachment
+
+    # -- one request ---------------------------------------------------------------------------
+
+    def submit(self, slot: int, seq: int, semantic: np.ndarray, global_ids: np.ndarray,
+               dtype: int, notify: int) -> None:  # fmt: skip
+        """Write request ``seq`` into ``slot`` and ring the server."""
+        with self.use() as seg:
+            n = semantic.shape[0]
+            seg.tokens[slot, :n] = semantic  # payload first ...
+            seg.globals[slot] = global_ids
+            f = seg.field
+            f["n_tokens"][slot] = n
+            f["n_global"][slot] = N_GLOBAL
+            f["dtype"][slot] = dtype
+            f["notify"][slot] = notify
+            f["req_generation"][slot] = self.generation[slot]
+            f["request_seq"][slot] = seq
+            f["status"][slot] = Status.OK
+            f["t_submit_ns"][slot] = time.monotonic_ns()
+            # Order matters: payload and fields above, then the state word, then req.I (the
+            # server reads the request only after taking it), then the wake-up doorbell.
+            f["state"][slot] = READY
+            seg.req(slot).release()
+            seg.ready.release()
+
+    def wait_result(self, slot: int, seq: int, deadline: float) -> np.ndarray:
+        """Block until request ``seq`` in ``slot`` is answered; its PCM (a private copy)."""
+        while True:
+            with self.use() as seg:
+                done = seg.done(slot)
+                try:
+                    done.acquire(min(SLICE, max(0.0, deadline - time.monotonic())))
+                    got = True
+                except (posix_ipc.BusyError, posix_ipc.SignalError):
+                    got = False
+                # Read the result only after taking done.I (the pairing operation), and only
+                # if it is the answer to this request rather than a stale post.
+                if got and int(seg.field["result_seq"][slot]) == seq:
+                    return self.take_result(seg, slot)
+            if got:
+                continue
+            if not self.serving():
+                self.retire(Gone())
+                raise Gone()
+            if time.monotonic() >= deadline:
+                self.abandon(slot, seq)
+                raise self.timeout_error()
+
+    def timeout_error(self) -> DecodeTimeoutError:
+        return DecodeTimeoutError(
+            f"no answer from the decoder server {self.name!r} within the timeout "
+            "(it still serves: it may be overloaded)"
+        )
+
+    def take_result(self, seg: Segment, slot: int) -> np.ndarray:
+        """Copy a DONE slot's PCM out (or raise its error) and hand the slot back."""
+        f = seg.field
+        try:
+            status = int(f["status"][slot])
+            if status != Status.OK:
+                detail = seg.error_text(slot)
+                name = Status(status).name if status in Status._value2member_map_ else str(status)
+                raise DecodeError(f"server rejected the request ({name}): {detail}",
+                                  code=status, detail=detail)  # fmt: skip
+            n = int(f["n_samples"][slot])
+            if f["dtype"][slot] == _FLOAT32:
+                return seg.pcm32[slot, :n].copy()
+            return seg.pcm16[slot, :n].copy()
+        finally:
+            f["state"][slot] = CLAIMED
+            self.give(slot)
+
+    def abandon(self, slot: int, seq: int) -> None:
+        """Nobody waits for request ``seq`` any more. Keep its slot out of use until the server
+        answers (it may still read the slot); the waiter thread takes the answer and gives the
+        slot back."""
+        with self.lock:
+            if self.retired is not None:
+                return
+            self.abandoned[slot] = seq
+        self._ensure_waiter()
+
+    # -- asyncio requests ------------------------------------------------------------------
+
+    def _claim_bell(self) -> int:
+        with self.use() as seg:
+            with self.lock:
+                if self.bell is not None:
+                    return self.bell
+                for index in random.sample(range(self.n_slots), self.n_slots):
+                    if seg.try_lock_bell(index):
+                        drain(seg.bell(index))
+                        self.bell = index
+                        return index
+        return NO_BELL  # every bell is taken: the waiter polls instead (rare; see _wait_loop)
+
+    def register(self, slot: int, seq: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> int:
+        """Expect the answer to asyncio request ``seq`` in ``slot``; returns the bell the
+        server must ring. Registered before the bell is looked at, so that the waiter thread
+        (which only goes idle with nothing pending) cannot give the bell back under us."""
+        with self.lock:
+            if self.retired is not None:
+                raise self._retired_error()
+            self.pending[slot] = (seq, loop, future)
+            bell = self.bell
+        if bell is None:
+            bell = self._claim_bell()
+        self._ensure_waiter()
+        return bell
+
+    def forget_pending(self, slot: int, seq: int) -> None:
+        """An asyncio request was cancelled or timed out: abandon it unless already answered."""
+        with self.lock:
+            entry = self.pending.get(slot)
+            if entry is None or entry[0] != seq:
+                return  # the waiter already took its answer and gave the slot back
+            del self.pending[slot]
+        self.abandon(slot, seq)
+
+    def _ensure_waiter(self) -> None:
+        with self.lock:
+            if self.retired is not None or (self.waiter is not None and self.waiter.is_alive()):
+                return
+            self.waiter = threading.Thread(target=self._wait_loop, daemon=True,
+                                           name=f"bicodec-shm-waiter:{self.name}")  # fmt: skip
+            self.waiter.start()
+
+    def _wait_loop(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            with self.lock:
+                if self.retired is not None:
+                    return
+                if self.pending or self.abandoned:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > _BELL_IDLE:
+                    # Give the bell back under the lock, so that a new request cannot claim
+                    # the same bell in between and then lose it to this unlock.
+                    if self.bell not in (None, NO_BELL) and self.segment is not None:
+                        self.segment.unlock_bell(self.bell)
+                    self.bell = None
+                    self.waiter = None
+                    return
+                bell = self.bell
+            try:
+                woke = self._sleep_on_bell(bell)
+                self._collect()
+            except Gone:
+                self.retire(Gone())
+                return
+            if not woke and not self.serving():
+                self.retire(Gone())
+                return
+
+    def _sleep_on_bell(self, bell: int | None) -> bool:
+        if bell in (None, NO_BELL):
+            # Only abandoned slots to watch, or no bell to be had: a slow poll is enough.
+            time.sleep(SLICE if bell is None else SLICE / 10)
+            return False
+        with self.use() as seg:
+            try:
+                seg.bell(bell).acquire(SLICE)
+                return True
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                return False
+
+    def _collect(self) -> None:
+        """Take the answer of every pending or abandoned slot whose ``done`` was posted."""
+        with self.lock:
+            watched = [(slot, entry) for slot, entry in self.pending.items()]
+            watched += [(slot, (seq, None, None)) for slot, seq in self.abandoned.items()]
+        if not watched:
+            return
+        with self.use() as seg:
+            for slot, (seq, loop, future) in watched:
+                try:
+                    seg.done(slot).acquire(0)
+                except posix_ipc.BusyError:
+                    continue
+                if int(seg.field["result_seq"][slot]) != seq:
+                    continue  # a stale post; the real answer is still to come
+                with self.lock:
+                    if future is None:
+                        self.abandoned.pop(slot, None)
+                    elif self.pending.get(slot, (None,))[0] == seq:
+                        del self.pending[slot]
+                    else:
+                        continue
+                if future is None:
+                    seg.field["state"][slot] = CLAIMED
+                    self.give(slot)
+                    continue
+                try:
+                    _resolve(loop, future, self.take_result(seg, slot), True)
+                except DecodeError as exc:
+                    _resolve(loop, future, exc, False)
+
+    # -- retiring ---------------------------------------------------------------------------
+
+    def retire(self, reason: BaseException) -> None:
+        """Take no more work: wake every waiter and fail every pending future with ``reason``
+        (``Gone`` makes the callers resubmit elsewhere). Unmaps once nobody uses the mapping."""
+        with self.lock:
+            if self.retired is not None:
+                return
+            self.retired = reason
+            pending, self.pending = list(self.pending.values()), {}
+            self.abandoned = {}
+            slot_waiters, self.async_slot_waiters = list(self.async_slot_waiters), deque()
+            self.changed.notify_all()
+            unused = self.users == 0
+        for _, loop, future in pending:
+            _resolve(loop, future, self._retired_error(), False)
+        for loop, future in slot_waiters:
+            _resolve(loop, future, None, True)
+        if unused:
+            self._unmap()
+
+    def close(self, reason: BaseException, *, wait: float = 1.0) -> None:
+        """Retire, give idle slots back, and unmap once the threads in flight have left."""
+        self.retire(reason)
+        waiter = self.waiter
+        if waiter is not None and waiter is not threading.current_thread():
+            waiter.join(wait)
+        with self.lock:
+            self.changed.wait_for(lambda: self.users == 0, timeout=wait)
+        self._unmap()
+
+    def _unmap(self) -> None:
+        with self.lock:
+            if self.unmapped or self.users:
+                return
+            self.unmapped = True
+            seg, self.segment = self.segment, None
+        if seg is None:
+            return
+        if seg.field:
+            # Hand idle slots straight back; slots still in flight (READY, BUSY) go to the
+            # server's reaper once our locks drop, after the server has finished with them.
+            f = seg.field
+            for slot in self.owned:
+                if int(f["state"][slot]) in (CLAIMED, DONE):
+                    f["owner_pid"][slot] = 0
+                    f["handle_id"][slot] = 0
+                    f["state"][slot] = FREE
+                    seg.unlock_slot(slot)
+                    try:
+                        seg.free.release()
+                    except (posix_ipc.Error, BiCodecShmError):
+                        pass  # the server is gone: nobody waits for the doorbell
+        seg.close()  # closes the lock descriptor: every lock of ours drops with it
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: nothing here is ours (the locks were closed at fork)."""
+        self.retired = Gone()
+        self.unmapped = True
+        seg, self.segment = self.segment, None
+        if seg is not None:
+            seg.close()
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, ok: bool) -> None:
+    def apply() -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    try:
+        loop.call_soon_threadsafe(apply)
+    except RuntimeError:
+        pass  # that event loop is closed

@@ -1,6 +1,6 @@
 """The batch policy: which ready requests are decoded together.
 
-Pure functions over (slot, length, submit time) tuples, so the policy can be tested and tuned
+A pure function over arrays of (length, submit time), so the policy can be tested and tuned
 without shared memory or a model.
 
 The rules (shared/docs/design.md, "Batching policy"):
@@ -9,63 +9,71 @@ The rules (shared/docs/design.md, "Batching policy"):
 - Others join in order of how close their length is to the oldest's, which groups similar
   lengths together. Masking keeps results exact whatever the grouping; grouping only saves the
   compute wasted on padding.
-- A batch stops growing at ``max_batch`` rows or when ``rows x longest length`` would exceed
-  ``max_batch_tokens`` (the padded-token budget). A single request always fits, whatever its
-  length, so an over-budget request is decoded alone rather than refused.
+- A row joins only if the batch stays within ``max_batch`` rows, within the padded-token budget
+  ``max_batch_tokens`` (rows x longest length), and within the padding bound ``min_fill``: the
+  shortest row must be at least ``min_fill`` x the longest, so no row is padded to more than
+  1/min_fill of its length. A single request always fits, whatever its length, so an
+  over-budget request is decoded alone rather than refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numpy as np
 
-# Defaults of the policy, from the sweep in benchmarks/RESULTS.md (2-core CPU, default mix of
+# Defaults of the policy, from the sweeps in benchmarks/RESULTS.md (2-core CPU, default mix of
 # 25-50-token chunks and 100-300-token utterances, N = 8): a wait window changed neither padding
 # nor CPU per audio second, so none; on a CPU a batch costs as much per item as single decodes,
 # so padding is pure waste, and a 512-token budget kept it at ~33% where 1024 gave 70-142% and
-# 2048-8192 gave 146-179%. A GPU, where batching is cheap, may want a larger budget (unmeasured).
+# 2048-8192 gave 146-179%. ``min_fill`` bounds the waste per row directly.
 DEFAULT_MAX_BATCH = 16
 DEFAULT_MAX_WAIT_MS = 0.0
 DEFAULT_MAX_BATCH_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A ready request as the policy sees it."""
-
-    slot: int
-    length: int
-    submitted_ns: int
+DEFAULT_MIN_FILL = 0.5
 
 
 def plan_batch(
-    ready: list[Pending], *, max_batch: int, max_batch_tokens: int | None
-) -> list[Pending]:
-    """Choose the next batch from ``ready``; the rest wait for the next round.
+    lengths: np.ndarray,
+    submitted_ns: np.ndarray,
+    *,
+    max_batch: int,
+    max_batch_tokens: int | None,
+    min_fill: float = 0.0,
+) -> np.ndarray:
+    """Choose the next batch among ready requests; the rest wait for the next round.
 
-    Returns a non-empty list when ``ready`` is non-empty, sorted longest first.
+    Args:
+        lengths: (R,) tokens of each ready request.
+        submitted_ns: (R,) submit times; the oldest request always goes first.
+    Returns:
+        (B,) indices into the arrays, 1 <= B <= R when R > 0, longest first.
     """
-    if not ready:
-        return []
-    oldest = min(ready, key=lambda p: (p.submitted_ns, p.slot))
-    others = sorted(
-        (p for p in ready if p is not oldest),
-        key=lambda p: (abs(p.length - oldest.length), p.submitted_ns, p.slot),
-    )
-    batch = [oldest]
-    longest = oldest.length
-    for p in others:
-        if len(batch) >= max_batch:
+    n = len(lengths)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    longest, shortest = int(lengths.max()), int(lengths.min())
+    if (
+        n <= max_batch
+        and (max_batch_tokens is None or n * longest <= max_batch_tokens)
+        and shortest >= min_fill * longest
+    ):
+        return np.argsort(-lengths, kind="stable")  # everything fits: the common case
+    oldest = int(np.lexsort((np.arange(n), submitted_ns))[0])
+    # The others by closeness of length to the oldest's, then by age.
+    order = np.lexsort((submitted_ns, np.abs(lengths - lengths[oldest])))
+    chosen = [oldest]
+    longest = shortest = int(lengths[oldest])
+    for j in order.tolist():
+        if len(chosen) >= max_batch:
             break
-        new_longest = max(longest, p.length)
-        if max_batch_tokens is not None and (len(batch) + 1) * new_longest > max_batch_tokens:
+        if j == oldest:
+            continue
+        length = int(lengths[j])
+        new_longest, new_shortest = max(longest, length), min(shortest, length)
+        if max_batch_tokens is not None and (len(chosen) + 1) * new_longest > max_batch_tokens:
             continue  # a shorter one further down the list may still fit
-        batch.append(p)
-        longest = new_longest
-    batch.sort(key=lambda p: -p.length)
-    return batch
-
-
-def split_in_half(rows: list[Pending]) -> tuple[list[Pending], list[Pending]]:
-    """Halves for split-and-retry after a failed batch (each half non-empty if len > 1)."""
-    mid = len(rows) // 2
-    return rows[:mid], rows[mid:]
+        if new_shortest < min_fill * new_longest:
+            continue
+        chosen.append(j)
+        longest, shortest = new_longest, new_shortest
+    picked = np.asarray(chosen, np.int64)
+    return picked[np.argsort(-lengths[picked], kind="stable")]

@@ -64,7 +64,7 @@ from .batching import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_WAIT_MS,
-    Pending,
+    DEFAULT_MIN_FILL,
     plan_batch,
 )
 from .transport import (
@@ -338,7 +338,7 @@ def _queue_server(preset: str, seed: int, threads: int, policy: Policy, requests
         model = _load_model(preset, seed, threads)
         events.put(("ready", "server"))
         waiting: dict[int, tuple] = {}  # request id -> (client, semantic, speaker)
-        pending: list[Pending] = []
+        pending: list[tuple[int, int, int]] = []  # (request id, length, submitted_ns)
         hist: dict[int, int] = {}
         ids = iter(range(1 << 62))
         stopping = False
@@ -351,7 +351,7 @@ def _queue_server(preset: str, seed: int, threads: int, policy: Policy, requests
             client, submitted_ns, semantic, speaker = item
             rid = next(ids)
             waiting[rid] = (client, semantic, speaker)
-            pending.append(Pending(rid, len(semantic), submitted_ns))
+            pending.append((rid, len(semantic), submitted_ns))
 
         def drain(timeout: float | None) -> None:
             """Take what has arrived; block up to ``timeout`` for the first item (None: forever)."""
@@ -371,17 +371,19 @@ def _queue_server(preset: str, seed: int, threads: int, policy: Policy, requests
                     if left <= 0:
                         break
                     drain(left)
-            batch = plan_batch(pending, max_batch=policy.max_batch,
-                               max_batch_tokens=policy.max_batch_tokens)  # fmt: skip
-            taken = {p.slot for p in batch}
-            pending[:] = [p for p in pending if p.slot not in taken]
-            rows = [waiting.pop(p.slot) for p in batch]
-            longest = batch[0].length
+            table = np.array(pending, np.int64)  # (R, 3)
+            chosen = plan_batch(table[:, 1], table[:, 2], max_batch=policy.max_batch,
+                                max_batch_tokens=policy.max_batch_tokens, min_fill=DEFAULT_MIN_FILL)
+            batch = [pending[i] for i in chosen.tolist()]
+            taken = {rid for rid, _, _ in batch}
+            pending[:] = [p for p in pending if p[0] not in taken]
+            rows = [waiting.pop(rid) for rid, _, _ in batch]
+            longest = batch[0][1]
             semantic = np.zeros((len(rows), longest), np.int64)
             for j, (_, sem, _) in enumerate(rows):
                 semantic[j, : len(sem)] = sem
             speakers = np.stack([spk for _, _, spk in rows])
-            lengths = np.array([p.length for p in batch], np.int64)
+            lengths = np.array([length for _, length, _ in batch], np.int64)
             audio = model.detokenize(torch.from_numpy(semantic), torch.from_numpy(speakers),
                                      torch.from_numpy(lengths)).cpu().numpy()  # fmt: skip
             for j, (client, sem, _) in enumerate(rows):

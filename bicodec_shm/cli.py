@@ -17,8 +17,9 @@ from .errors import BiCodecShmError
 from .transport import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SLOTS,
-    header_server_alive,
+    ServerState,
     leftover_objects,
+    probe,
     read_header,
     stats_from_header,
     unlink_all,
@@ -172,7 +173,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if header is None:
             raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm")
         stats = stats_from_header(header)
-        stats["server_alive"] = header_server_alive(header)
+        stats["server_alive"] = probe(args.name) is ServerState.SERVING
         if args.json:
             print(json.dumps(stats, indent=None if args.watch else 2), flush=True)
         else:
@@ -203,11 +204,9 @@ def format_stats(name: str, stats: dict) -> str:
 
 
 def _cmd_cleanup(args: argparse.Namespace) -> int:
-    header = read_header(args.name)
-    if header is not None and header_server_alive(header):
-        raise BiCodecShmError(
-            f"the server of {args.name!r} (pid {int(header['server_pid'])}) is alive; stop it instead"
-        )
+    state = probe(args.name)
+    if state in (ServerState.SERVING, ServerState.BUSY):
+        raise BiCodecShmError(f"a server of {args.name!r} is alive ({state.value}); stop it instead")
     removed = unlink_all(args.name)
     left = leftover_objects(args.name)
     print(f"removed {removed} object(s) of {args.name!r}" + (f"; still there: {left}" if left else ""))

@@ -16,6 +16,7 @@ single-process setup keeps working and other processes can still attach by ``.na
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from .client import DecoderClient
@@ -50,7 +51,7 @@ class BiCodecBatchDecoder:
         self.slots = slots
         self.name = bicodec_decoder if isinstance(bicodec_decoder, str) else random_name("bcshm-dropin")
         self._server: Any = None
-        self._thread: Any = None
+        self._finalizer: weakref.finalize | None = None
         self._client: DecoderClient | None = None
 
     def start(self) -> None:
@@ -72,7 +73,10 @@ class BiCodecBatchDecoder:
                 max_batch=self.max_batch,
                 max_wait_ms=self.timeout_ms,
             )
-            self._thread = self._server.start_thread()
+            self._server.start_thread()
+            # A process that exits without stop() must not leave the segment in /dev/shm: the
+            # finalizer runs at interpreter exit too. It holds the server, never ``self``.
+            self._finalizer = weakref.finalize(self, DecoderServer.close, self._server)
         self._client = DecoderClient(self.name, timeout=self.request_timeout, slots=self.slots)
 
     def stop(self) -> None:
@@ -80,10 +84,10 @@ class BiCodecBatchDecoder:
         client, self._client = self._client, None
         if client is not None:
             client.close()
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop()
-            self._thread.join(timeout=10)
+        self._server = None
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer()  # stops and joins the serving thread, then unlinks
 
     async def decode_async(self, semantic_ids: Any, global_ids: Any) -> bytes:
         """Decode one request; returns little-endian int16 PCM bytes (320 samples per token).

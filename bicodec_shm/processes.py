@@ -12,7 +12,7 @@ import sys
 import time
 
 from .errors import BiCodecShmError
-from .transport import header_server_alive, read_header
+from .transport import ServerState, probe
 
 
 def serve_command(name: str, *options: str) -> list[str]:
@@ -22,13 +22,7 @@ def serve_command(name: str, *options: str) -> list[str]:
 
 def is_serving(name: str) -> bool:
     """True once a live server has finished creating ``name`` and serves it."""
-    h = read_header(name)
-    return (
-        h is not None
-        and int(h["magic"]) != 0
-        and bool(h["serving"])
-        and header_server_alive(h)
-    )
+    return probe(name) is ServerState.SERVING
 
 
 def wait_until_serving(name: str, server: subprocess.Popen | None = None, timeout: float = 120) -> None:

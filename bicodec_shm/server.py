@@ -1,14 +1,31 @@
-"""The decode loop: wait → gather → batch → decode → write back → signal; reaping; stats.
+"""The decoder server: owns the segment and the model; dispatches batches to decode lanes.
 
-One ``DecoderServer`` owns one segment (``transport.Segment``) and one decoder. It is single
-threaded on purpose: between two batches nothing else touches the slot table from the server
-side, so the reaper can never reclaim a slot whose result is being written.
+Threads of one ``DecoderServer``::
+
+    dispatcher (serve_forever's thread)          lanes (lanes.py), K threads
+    ───────────────────────────────────          ──────────────────────────────
+    wait on the ready doorbell                   take the next planned batch
+    take req.I of each READY slot (pairing)      run it on the device, convert on device
+    validate the copied headers                  copy to the host once
+    plan a batch (batching.py)                   publish: PCM, fields, state, posts
+    copy + validate the ids the model will see   release its slots and a lane's capacity
+    mark BUSY, hold the slots, queue the batch
+    reap slots of dead clients (never a held one)
+
+The dispatcher plans a batch only when a lane (plus one batch of prefetch on CUDA) is free, so
+batches grow with the load instead of being cut early. Slots in a planned or running batch are
+*held*: the reaper never touches them, so no slot is reclaimed or rewritten while a lane has it.
+
+Lifecycle: the constructor owns the name (transport.py: locks, not pids) and starts serving;
+``serve_forever`` runs until ``stop()``, SIGINT or SIGTERM; then it finishes every batch the
+lanes hold, stops serving (clients resubmit what is left, as after a crash: a rolling restart
+loses nothing), unlinks everything and releases the name.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
+import queue
 import signal
 import threading
 import time
@@ -22,16 +39,19 @@ from .batching import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_WAIT_MS,
-    Pending,
+    DEFAULT_MIN_FILL,
     plan_batch,
-    split_in_half,
 )
-from .errors import SegmentError, ServerAlreadyRunningError, ServerUnavailableError
+from .errors import ServerUnavailableError
+from .lanes import Decoded, Lane, Runner
+from .slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
 from .transport import (
-    BUSY,
     C_BATCHES,
     C_DECODE,
     C_FAILED,
+    C_HOST_GAP,
+    C_LANE_BUSY,
+    C_LATENCY,
     C_PADDED,
     C_QUEUE_WAIT,
     C_RECLAIMED,
@@ -41,31 +61,25 @@ from .transport import (
     DEFAULT_MODE,
     DEFAULT_SLOTS,
     DONE,
-    ERROR_TEXT_BYTES,
     FREE,
     HIST_BINS,
-    HOP,
-    MAGIC,
-    N_GLOBAL,
+    N_STATUS,
     READY,
-    SLOT_DT,
-    OutputDtype,
+    TIME_BUCKETS,
     Segment,
     Status,
     drain,
-    header_server_alive,
-    read_header,
-    unlink_all,
     validate_name,
 )
 
 log = logging.getLogger("bicodec_shm.server")
 
-_OUTPUT_DTYPES = frozenset(int(d) for d in OutputDtype)
-_FLOAT32 = int(OutputDtype.FLOAT32)
-_SLOT_FIELDS = SLOT_DT.names
-
 DEFAULT_REAP_INTERVAL = 0.25  # seconds; a dead client's slots come back within about this
+DEFAULT_START_WAIT = 30.0  # seconds to wait for a stopping predecessor (rolling restarts)
+# Lanes on CPU, from the sweep in benchmarks/RESULTS.md: on 2 cores two 1-thread lanes decode
+# 1.24x what one 2-thread decode does.
+DEFAULT_CPU_LANES = 2
+_BUCKETS_NS = np.array([b * 1e9 for b in TIME_BUCKETS])
 
 
 class Detokenizer(Protocol):
@@ -74,7 +88,7 @@ class Detokenizer(Protocol):
     def detokenize(
         self, semantic_ids: torch.Tensor, global_ids: torch.Tensor, lengths: torch.Tensor
     ) -> torch.Tensor:
-        """(B, T) long, (B, 32) long, (B,) long -> (B, 320·T) float."""
+        """(B, T) int64, (B, 32) int64, (B,) int64 host tensors -> (B, 320·T) float."""
         ...
 
 
@@ -85,17 +99,22 @@ class DecoderServer:
         decoder: any object with ``detokenize(semantic_ids, global_ids, lengths)``; its
             ``device`` (or its first parameter's device) decides where batches go.
         name: the segment name (letters, digits, ``_``, ``-``).
-        slots: number of request slots shared by all clients.
+        slots: request slots shared by all clients (each costs max_tokens x 1280 bytes).
         max_batch: most rows in one forward pass.
-        max_wait_ms: how long a batch may wait to grow once the model is idle (0: go at once).
-        max_batch_tokens: padded-token budget per batch (rows × longest length).
+        max_wait_ms: how long a batch may wait to grow once a lane is free (0: go at once).
+        max_batch_tokens: padded-token budget per batch (rows x longest length), or None.
+        min_fill: a row joins a batch only if the batch's shortest row stays at least this
+            share of its longest (0: no bound).
         max_tokens: longest request accepted (1500 tokens = 30 s).
         mode: permission bits of every object (0o600: this user only; 0o660: also the group).
         reap_interval: seconds between scans for slots of dead clients.
+        lanes: decode lanes (threads sharing the weights); None: 1 on CUDA, 2 on CPU.
+        start_wait: seconds to wait for a server that is stopping under the same name.
     """
 
     # Class-level defaults keep close() safe after a failed __init__.
     _segment: Segment | None = None
+    _thread: threading.Thread | None = None
 
     def __init__(
         self,
@@ -106,9 +125,12 @@ class DecoderServer:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
+        min_fill: float = DEFAULT_MIN_FILL,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         mode: int = DEFAULT_MODE,
         reap_interval: float = DEFAULT_REAP_INTERVAL,
+        lanes: int | None = None,
+        start_wait: float = DEFAULT_START_WAIT,
     ) -> None:
         validate_name(name)
         if max_batch < 1:
@@ -117,23 +139,42 @@ class DecoderServer:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1 or None, got {max_batch_tokens}")
+        if not 0.0 <= min_fill <= 1.0:
+            raise ValueError(f"min_fill must be in [0, 1], got {min_fill}")
+        if lanes is not None and not 1 <= lanes <= 64:
+            raise ValueError(f"lanes must be in 1..64, got {lanes}")
         self.decoder = decoder
         self.name = name
         self.max_batch = max_batch
         self.max_wait_ms = max_wait_ms
         self.max_batch_tokens = max_batch_tokens
+        self.min_fill = min_fill
         self.reap_interval = reap_interval
         self.device = _device_of(decoder)
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             # cuDNN convolutions default to TF32, whose rounding differs between batch shapes:
             # batched rows would no longer equal their lone decodes to float32 precision.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
+        self.lanes = lanes or (1 if cuda else min(DEFAULT_CPU_LANES, torch.get_num_threads()))
+        # Each CPU lane gets its share of the cores; on CUDA the host threads only launch.
+        self.threads_per_lane = None if cuda else max(1, torch.get_num_threads() // self.lanes)
+        self._pipeline = cuda
         config = getattr(decoder, "config", None)
         self.semantic_vocab = int(getattr(config, "semantic_vocab", 8192))
         self.global_vocab = int(getattr(config, "global_vocab", 4096))
         self._stop = threading.Event()
-        self._segment = _create_or_take_over(
+        self._stopped = threading.Event()
+        self._teardown_lock = threading.Lock()
+        self._held: set[int] = set()  # slots in planned or running batches
+        self._held_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
+        self._confirmed: set[int] = set()  # READY slots whose req.I was taken, not yet batched
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._capacity = threading.Semaphore(self.lanes + int(self._pipeline))
+        self._lane_idle_since = [time.monotonic_ns()] * self.lanes
+        self._segment = Segment.create(
             name,
             n_slots=slots,
             max_tokens=max_tokens,
@@ -141,15 +182,18 @@ class DecoderServer:
             semantic_vocab=self.semantic_vocab,
             global_vocab=self.global_vocab,
             max_batch=max_batch,
+            lanes=self.lanes,
+            wait=start_wait,
         )
-        header = self._segment.header
-        header["server_epoch"] = secrets.randbits(63)
-        header["serving"] = 1
+        self.n_bells = slots
+        self._segment.start_serving()
         log.info(
             "serving %r: %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, "
-            "max_batch_tokens=%s, device=%s, mode=%o, segment %.1f MiB",
-            name, slots, max_tokens, max_batch, max_wait_ms, max_batch_tokens, self.device,
-            mode, self._segment.layout.total_size / 2**20,
+            "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d (threads each: %s), mode=%o, "
+            "segment %.1f MiB",
+            name, slots, max_tokens, max_batch, max_wait_ms, max_batch_tokens, min_fill,
+            self.device, self.lanes, self.threads_per_lane, mode,
+            self._segment.layout.total_size / 2**20,
         )  # fmt: skip
 
     @property
@@ -158,54 +202,61 @@ class DecoderServer:
             raise ServerUnavailableError(f"server {self.name!r} is closed")
         return self._segment
 
-    # -- main loop ----------------------------------------------------------------------
+    # -- lifecycle ------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        """Serve until ``stop()``, SIGINT or SIGTERM; then unlink everything."""
+        """Serve until ``stop()``, SIGINT or SIGTERM; then finish running batches and unlink."""
         restore = self._install_signal_handlers()
-        seg = self.segment
-        next_reap = time.monotonic()
+        runner = Runner(self.decoder, self.device)
+        lanes = [
+            Lane(i, self._work, runner, publish=self._publish, fail=self._fail_row,
+                 started=self._lane_started, finished=self._lane_finished,
+                 threads=self.threads_per_lane, pipeline=self._pipeline)
+            for i in range(self.lanes)
+        ]  # fmt: skip
         try:
-            while not self._stop.is_set():
-                woke = self._wait(self.reap_interval)
-                if time.monotonic() >= next_reap:
-                    self.reap()
-                    next_reap = time.monotonic() + self.reap_interval
-                if not self._stop.is_set():
-                    self._serve_ready(seg, woke)
+            for lane in lanes:
+                lane.start()
+            self._dispatch_loop()
         finally:
+            for _ in lanes:
+                self._work.put(None)  # after every queued batch: those are finished first
+            for lane in lanes:
+                if lane.is_alive():
+                    lane.join()
             restore()
-            self.close()
+            self._teardown()
+            self._stopped.set()
 
     def start_thread(self) -> threading.Thread:
         """Run ``serve_forever`` in a daemon thread (for in-process use and tests)."""
         thread = threading.Thread(target=self.serve_forever, name=f"bicodec-shm:{self.name}")
         thread.daemon = True
+        self._thread = thread
         thread.start()
         return thread
 
     def stop(self) -> None:
-        """Ask the loop to finish its current batch and exit (safe from any thread)."""
+        """Ask the server to finish the batches its lanes hold and exit (safe from any thread
+        and from a signal handler); queued requests are left for the next server."""
         self._stop.set()
         seg = self._segment
-        if seg is not None and seg.ready is not None:
+        if seg is not None:
             try:
-                seg.ready.release()  # wake the loop now rather than at the next reap tick
-            except posix_ipc.Error:
+                seg.ready.release()  # wake the dispatcher now rather than at the next tick
+            except (posix_ipc.Error, ServerUnavailableError):
                 pass
 
-    def close(self) -> None:
-        """Mark the segment as no longer served, then unlink and unmap it."""
-        seg, self._segment = self._segment, None
-        if seg is None:
-            return
-        try:
-            seg.header["serving"] = 0
-            self._fail_pending(seg, "the server stopped before decoding this request")
-        finally:
-            seg.close()
-            seg.unlink()
-            log.info("stopped %r and unlinked its shared memory", self.name)
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop serving and release everything; joins the serving thread first if there is one."""
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            self.stop()
+            thread.join(timeout)
+            if thread.is_alive():
+                log.error("the serving thread of %r did not stop within %.0f s", self.name, timeout)
+                return  # unmapping under a running thread would crash it
+        self._teardown()
 
     def __enter__(self) -> DecoderServer:
         return self
@@ -214,237 +265,210 @@ class DecoderServer:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<DecoderServer {self.name!r} device={self.device} max_batch={self.max_batch}>"
+        return (f"<DecoderServer {self.name!r} device={self.device} lanes={self.lanes} "
+                f"max_batch={self.max_batch}>")  # fmt: skip
 
-    # -- gathering ------------------------------------------------------------------------
+    def _teardown(self) -> None:
+        with self._teardown_lock:
+            seg, self._segment = self._segment, None
+            if seg is None:
+                return
+            try:
+                seg.stop_serving()  # clients resubmit whatever is still READY
+                seg.unlink()
+            finally:
+                seg.close()
+            log.info("stopped %r and unlinked its shared memory", self.name)
 
-    def _wait(self, timeout: float) -> bool:
-        """Block on the ready doorbell; True if a post was consumed."""
-        try:
-            self.segment.ready.acquire(timeout)
-            return True
-        except posix_ipc.BusyError:
-            return False
-        except posix_ipc.SignalError:
-            return False  # a signal handler ran; the loop re-checks _stop
+    # -- dispatching ------------------------------------------------------------------------
 
-    def _ready_slots(self, seg: Segment) -> list[Pending]:
+    def _dispatch_loop(self) -> None:
+        self._next_reap = time.monotonic()
+        while not self._stop.is_set():
+            # A free lane first: a batch planned later is a batch that had time to grow.
+            if not self._capacity.acquire(timeout=self.reap_interval):
+                self._reap_if_due()
+                continue
+            batch = self._next_batch()
+            if batch is None:
+                self._capacity.release()
+                continue
+            self._work.put(batch)
+
+    def _next_batch(self) -> Batch | None:
+        """Wait for ready requests and plan, gather and hold the next batch (None: stopping)."""
+        seg = self.segment
+        while not self._stop.is_set():
+            self._reap_if_due()
+            ready = self._ready_requests(seg)
+            if ready is None:
+                self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
+                continue
+            if self.max_wait_ms > 0 and len(ready) < self.max_batch:
+                ready = self._let_batch_grow(seg, ready)
+            chosen = plan_batch(ready.lengths, ready.submitted_ns, max_batch=self.max_batch,
+                                max_batch_tokens=self.max_batch_tokens, min_fill=self.min_fill)  # fmt: skip
+            req = ready.take(chosen)
+            self._confirmed.difference_update(req.slots.tolist())
+            with self._held_lock:
+                self._held.update(req.slots.tolist())
+            batch, failures = gather(seg, req, semantic_vocab=self.semantic_vocab,
+                                     global_vocab=self.global_vocab)  # fmt: skip
+            for slot, status, message in failures:
+                self._answer_failure(slot, status, message, req)
+            if batch is not None:
+                return batch
+        return None
+
+    def _ready_requests(self, seg: Segment) -> Requests | None:
+        """Every READY slot whose request may be read (its req.I taken), validated."""
+        drain(seg.ready)  # wake-ups only: everything READY is looked at below
         states = seg.field["state"]
-        if (states > DONE).any():
-            for slot in (states > DONE).nonzero()[0].tolist():
-                self._finish(seg, slot, Status.BAD_STATE, 0,
-                             f"slot {slot} has unknown state value {int(states[slot])}")  # fmt: skip
-        idx = (states == READY).nonzero()[0]
-        if len(idx) == 0:
-            return []
-        lengths = seg.field["n_tokens"][idx].tolist()
-        submitted = seg.field["t_submit_ns"][idx].tolist()
-        return [Pending(s, n, t) for s, n, t in zip(idx.tolist(), lengths, submitted)]
+        with self._held_lock:
+            held = set(self._held)
+        for slot in np.flatnonzero(states == READY).tolist():  # a hint: req.I decides
+            if slot in self._confirmed or slot in held:
+                continue
+            try:
+                seg.req(slot).acquire(0)
+            except posix_ipc.BusyError:
+                continue  # its client has not posted yet; its ready post will wake us
+            self._confirmed.add(slot)
+        for slot in np.flatnonzero(states > DONE).tolist():
+            if slot not in held:
+                self._answer_failure(slot, Status.BAD_STATE, f"slot {slot} has unknown state "
+                                     f"value {int(states[slot])}")  # fmt: skip
+        if not self._confirmed:
+            return None
+        slots = np.fromiter(sorted(self._confirmed), np.int64)
+        requests, failures = check_headers(seg, slots, n_bells=self.n_bells)
+        for slot, status, message in failures:
+            self._answer_failure(slot, status, message)
+        self._confirmed = set(requests.slots.tolist())
+        return requests if len(requests) else None
 
-    def _serve_ready(self, seg: Segment, woke: bool) -> None:
-        ready = self._ready_slots(seg)
-        if not ready:
-            return
-        posts = int(woke)  # doorbell posts consumed so far in this round
-        if self.max_wait_ms > 0 and len(ready) < self.max_batch:
-            ready, posts = self._let_batch_grow(seg, ready, posts)
-        ready = [p for p in ready if self._admit(seg, p)]
-        if not ready:
-            return
-        batch = plan_batch(ready, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
-        self._balance_posts(len(batch) - posts)
-        now = time.monotonic_ns()
-        state, started = seg.field["state"], seg.field["t_start_ns"]
-        for p in batch:
-            state[p.slot] = BUSY
-            started[p.slot] = now
-        self._decode_rows(seg, batch)
-
-    def _let_batch_grow(self, seg: Segment, ready: list[Pending], posts: int) -> tuple[list[Pending], int]:
+    def _let_batch_grow(self, seg: Segment, ready: Requests) -> Requests:
         """Wait up to max_wait_ms for more requests, sleeping on the doorbell (never spinning)."""
         deadline = time.monotonic() + self.max_wait_ms / 1000
         while len(ready) < self.max_batch and not self._stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            posts += self._wait(left)
-            ready = self._ready_slots(seg)
-        return ready, posts
+            self._wait_doorbell(seg, left)
+            ready = self._ready_requests(seg) or ready
+        return ready
 
-    def _balance_posts(self, n: int) -> None:
-        """Keep one doorbell post per READY slot left waiting.
-
-        n > 0: take the posts of slots just batched, without blocking (a post that has not
-        arrived yet, because its client was preempted between READY and sem_post, only causes
-        one extra, empty wake-up later). n < 0: this round consumed posts of slots that did not
-        fit in the batch; give them back so that the next round starts at once.
-        """
-        ready = self.segment.ready
-        for _ in range(-n):
-            ready.release()
-        for _ in range(n):
-            try:
-                ready.acquire(0)
-            except posix_ipc.BusyError:
-                break
-
-    def _admit(self, seg: Segment, p: Pending) -> bool:
-        """Validate a READY slot read from shared memory; fail it alone if it is corrupt."""
-        problem = self._check_slot(seg, p.slot)
-        if problem is None:
-            return True
-        status, message = problem
-        self._finish(seg, p.slot, status, 0, message)
-        return False
-
-    def _check_slot(self, seg: Segment, slot: int) -> tuple[Status, str] | None:
-        # One read of the whole slot header (a tuple), not one numpy access per field.
-        s = dict(zip(_SLOT_FIELDS, seg.slots[slot].item()))
-        n, max_tokens = s["n_tokens"], seg.layout.max_tokens
-        if not 1 <= n <= max_tokens:
-            return Status.BAD_LENGTH, f"semantic length {n} is outside 1..{max_tokens}"
-        if s["n_global"] != N_GLOBAL:
-            return Status.BAD_GLOBAL, f"{s['n_global']} global ids, expected {N_GLOBAL}"
-        if s["dtype"] not in _OUTPUT_DTYPES:
-            return Status.BAD_DTYPE, f"unknown output dtype code {s['dtype']}"
-        if s["req_generation"] != s["generation"]:
-            return Status.STALE_GENERATION, (
-                f"request names slot generation {s['req_generation']} but the slot is at "
-                f"{s['generation']} (it was reclaimed)"
-            )
-        bad = _first_out_of_range(seg.tokens[slot, :n], self.semantic_vocab)
-        if bad is not None:
-            return Status.BAD_SEMANTIC_ID, (
-                f"semantic id {bad[1]} at position {bad[0]} is outside 0..{self.semantic_vocab - 1}"
-            )
-        bad = _first_out_of_range(seg.globals[slot], self.global_vocab)
-        if bad is not None:
-            return Status.BAD_GLOBAL, (
-                f"global id {bad[1]} at position {bad[0]} is outside 0..{self.global_vocab - 1}"
-            )
-        return None
-
-    # -- decoding -------------------------------------------------------------------------
-
-    def _decode_rows(self, seg: Segment, rows: list[Pending]) -> None:
-        """Decode ``rows`` as one batch; on failure split in halves and retry each."""
-        t0 = time.perf_counter_ns()
+    def _wait_doorbell(self, seg: Segment, timeout: float) -> None:
         try:
-            audio = self._run_decoder(seg, rows)
-        except Exception as exc:  # any model failure must fail requests, not the server
-            _release_accelerator_memory(self.device)
-            if len(rows) == 1:
-                cause = f"{type(exc).__name__}: {exc}"
-                log.warning("decode of slot %d failed: %s", rows[0].slot, cause)
-                self._finish(seg, rows[0].slot, Status.DECODE_FAILED, 0, f"decode failed: {cause}")
-                return
-            log.warning("batch of %d failed (%s); splitting and retrying", len(rows), exc)
-            for half in split_in_half(rows):
-                self._decode_rows(seg, half)
-            return
-        elapsed = time.perf_counter_ns() - t0
-        self._count_batch(seg, rows, elapsed)
-        for j, p in enumerate(rows):
-            self._write_pcm(seg, p, audio[j])
+            seg.ready.acquire(timeout)
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            pass  # a timeout, or a signal handler ran: the loop re-checks _stop
 
-    def _run_decoder(self, seg: Segment, rows: list[Pending]) -> np.ndarray:
-        """One padded batch through the model; returns (B, 320·T) float32 on the host."""
-        longest = rows[0].length
-        if len(rows) == 1:  # the common case at low load: no padding buffer needed
-            semantic = seg.tokens[rows[0].slot, :longest][None]
-            global_ids = seg.globals[rows[0].slot][None]
-        else:
-            semantic = np.zeros((len(rows), longest), np.int32)
-            for j, p in enumerate(rows):
-                semantic[j, : p.length] = seg.tokens[p.slot, : p.length]
-            global_ids = seg.globals[[p.slot for p in rows]]
-        # One host->device copy per tensor per batch (widened to int64 on the way), and one
-        # device->host copy back.
-        out = self.decoder.detokenize(
-            torch.from_numpy(semantic).to(self.device, torch.long),
-            torch.from_numpy(global_ids).to(self.device, torch.long),
-            torch.tensor([p.length for p in rows], dtype=torch.long, device=self.device),
-        )
-        audio = out.detach().to("cpu", torch.float32).numpy()
-        if audio.ndim != 2 or audio.shape[0] != len(rows) or audio.shape[1] < longest * HOP:
-            raise RuntimeError(
-                f"decoder returned shape {tuple(audio.shape)}, expected ({len(rows)}, {longest * HOP})"
-            )
-        return audio
+    # -- answering --------------------------------------------------------------------------
 
-    def _write_pcm(self, seg: Segment, p: Pending, row: np.ndarray) -> None:
-        n = p.length * HOP
-        if seg.field["dtype"][p.slot] == _FLOAT32:
-            seg.pcm_float32(p.slot, n)[:] = row[:n]
-        else:
-            # The seed's exact conversion: clip, scale by 32767 in float32, truncate to int16.
-            # In place: ``row`` is this batch's private host copy.
-            scaled = row[:n]
-            np.clip(scaled, -1.0, 1.0, out=scaled)
-            scaled *= np.float32(32767)
-            np.copyto(seg.pcm_int16(p.slot, n), scaled, casting="unsafe")
-        self._finish(seg, p.slot, Status.OK, n)
+    def _publish(self, batch: Batch, decoded: Decoded, elapsed_ns: int) -> None:
+        seg = self.segment
+        req = batch.requests
+        done_ns = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
+        rows, longest = len(req), int(batch.semantic.shape[1])
+        queued = (batch.started_ns - req.submitted_ns.astype(np.int64)).clip(0)
+        latency = (done_ns - req.submitted_ns.astype(np.int64)).clip(0)
+        h = seg.header
+        with self._counters_lock:
+            c = seg.counters
+            c[C_REQUESTS] += rows
+            c[C_BATCHES] += 1
+            c[C_TOKENS] += int(req.lengths.sum())
+            c[C_PADDED] += rows * longest
+            c[C_DECODE] += elapsed_ns
+            c[C_LANE_BUSY] += elapsed_ns
+            c[C_QUEUE_WAIT] += int(queued.sum())
+            c[C_LATENCY] += int(latency.sum())
+            h["batch_hist"][min(rows, HIST_BINS - 1)] += 1
+            np.add.at(h["queue_hist"], np.searchsorted(_BUCKETS_NS, queued), 1)
+            np.add.at(h["latency_hist"], np.searchsorted(_BUCKETS_NS, latency), 1)
+            h["decode_hist"][np.searchsorted(_BUCKETS_NS, elapsed_ns)] += 1
+        ring(seg, req.slots.tolist(), req.notify.tolist())
 
-    def _finish(self, seg: Segment, slot: int, status: int, n_samples: int, error: str = "") -> None:
-        """Publish a slot's result and ring its owner's doorbell."""
-        f = seg.field
-        notify = int(f["notify"][slot])
-        if notify >= seg.layout.n_slots:
-            status, error, n_samples = Status.BAD_NOTIFY, f"notify index {notify} out of range", 0
-            notify = slot
-        f["status"][slot] = status
-        f["n_samples"][slot] = n_samples
-        if error or f["error"][slot]:
-            f["error"][slot] = error.encode("utf-8")[:ERROR_TEXT_BYTES]
-        f["result_seq"][slot] = f["request_seq"][slot]
-        f["t_done_ns"][slot] = time.monotonic_ns()
-        seg.counters[C_REQUESTS] += 1
-        if status != Status.OK:
+    def _fail_row(self, batch: Batch, row: int, message: str) -> None:
+        req = batch.requests
+        self._answer_failure(int(req.slots[row]), Status.DECODE_FAILED, message, req.take([row]))
+
+    def _answer_failure(self, slot: int, status: int, message: str, req: Requests | None = None) -> None:
+        """Answer one request with an error; ``req`` (if given) holds its validated header."""
+        seg = self.segment
+        seq = notify = None
+        if req is not None:
+            at = np.flatnonzero(req.slots == slot)
+            if len(at):
+                seq, notify = int(req.seqs[at[0]]), int(req.notify[at[0]])
+        with self._held_lock:
+            self._held.discard(slot)
+        self._confirmed.discard(slot)
+        bell = publish_failure(seg, slot, status, message, seq=seq, notify=notify)
+        with self._counters_lock:
+            seg.counters[C_REQUESTS] += 1
             seg.counters[C_FAILED] += 1
-        # Order matters: result fields above, then the state word, then the post, so that the
-        # owner never sees DONE with a half-written result.
-        f["state"][slot] = DONE
-        seg.done[notify].release()
+            seg.header["failed_by_status"][min(int(status), N_STATUS - 1)] += 1
+        ring(seg, [slot], [bell])
 
-    def _count_batch(self, seg: Segment, rows: list[Pending], elapsed_ns: int) -> None:
-        c = seg.counters
-        c[C_BATCHES] += 1
-        c[C_TOKENS] += sum(p.length for p in rows)
-        c[C_PADDED] += len(rows) * rows[0].length
-        c[C_DECODE] += elapsed_ns
-        started = int(seg.field["t_start_ns"][rows[0].slot])  # the same for the whole batch
-        c[C_QUEUE_WAIT] += sum(max(0, started - p.submitted_ns) for p in rows)
-        seg.header["batch_hist"][min(len(rows), HIST_BINS - 1)] += 1
+    def _lane_started(self, batch: Batch, lane: int) -> None:
+        now = time.monotonic_ns()
+        # The lane sat idle while this batch's first request was already waiting: time the
+        # device waited for the host (gathering, planning, publishing, Python).
+        waited_since = max(self._lane_idle_since[lane], int(batch.requests.submitted_ns.min()))
+        with self._counters_lock:
+            seg = self.segment
+            seg.counters[C_HOST_GAP] += max(0, now - waited_since)
+            seg.header["busy_lanes"] += 1
 
-    def _fail_pending(self, seg: Segment, message: str) -> None:
-        """On a clean stop, answer every queued request rather than leave it to time out."""
-        for slot in (seg.field["state"] == READY).nonzero()[0].tolist():
-            self._finish(seg, slot, Status.DECODE_FAILED, 0, message)
+    def _lane_finished(self, batch: Batch, lane: int) -> None:
+        self._lane_idle_since[lane] = time.monotonic_ns()
+        with self._held_lock:
+            self._held.difference_update(batch.slots.tolist())
+        with self._counters_lock:
+            self.segment.header["busy_lanes"] -= 1
+        self._capacity.release()
 
     # -- reaping ----------------------------------------------------------------------------
+
+    def _reap_if_due(self) -> None:
+        if time.monotonic() >= self._next_reap:
+            self.reap()
+            self._next_reap = time.monotonic() + self.reap_interval
 
     def reap(self) -> int:
         """Reclaim slots whose owner died; returns how many were reclaimed.
 
-        A live owner holds its slot's OFD lock for as long as it owns the slot. If the server
-        can take that lock, the owner is gone (the kernel dropped the lock when it died).
+        A live owner holds its slot's lock for as long as it owns the slot. If the server can
+        take that lock, the owner is gone (the kernel dropped the lock when it died). Slots held
+        by a planned or running batch are left alone until their result is published.
         """
         seg = self.segment
         f = seg.field
+        with self._held_lock:
+            held = set(self._held)
         reclaimed = 0
-        for slot in (f["state"] != FREE).nonzero()[0].tolist():
-            if not seg.try_lock_slot(slot):
-                continue  # owner alive
+        for slot in np.flatnonzero(f["state"] != FREE).tolist():
+            if slot in held or not seg.try_lock_slot(slot):
+                continue  # in a batch, or its owner is alive
             try:
+                if f["state"][slot] == FREE:
+                    continue  # given back between the scan and the lock
                 f["generation"][slot] += 1  # a late result can never match the next owner
                 f["owner_pid"][slot] = 0
+                f["handle_id"][slot] = 0
                 f["state"][slot] = FREE
-                drain(seg.done[slot])
+                drain(seg.req(slot))
+                drain(seg.done(slot))
+                self._confirmed.discard(slot)
                 reclaimed += 1
             finally:
                 seg.unlock_slot(slot)
+            seg.free.release()
         if reclaimed:
-            seg.counters[C_RECLAIMED] += reclaimed
+            with self._counters_lock:
+                seg.counters[C_RECLAIMED] += reclaimed
             log.info("reclaimed %d slot(s) of dead clients", reclaimed)
         return reclaimed
 
@@ -456,7 +480,8 @@ class DecoderServer:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def handler(signum: int, frame: object) -> None:
-            log.info("received %s, stopping", signal.Signals(signum).name)
+            log.info("received %s: finishing the running batches, then stopping",
+                     signal.Signals(signum).name)  # fmt: skip
             self.stop()
 
         for sig in previous:
@@ -469,40 +494,6 @@ class DecoderServer:
         return restore
 
 
-def _create_or_take_over(name: str, **kwargs: Any) -> Segment:
-    """Create the segment; if the name is taken by a dead server's leftovers, take it over."""
-    try:
-        return Segment.create(name, **kwargs)
-    except posix_ipc.ExistentialError:
-        pass
-    header = read_header(name)
-    if header is not None:
-        pid = int(header["server_pid"])
-        if header_server_alive(header):
-            raise ServerAlreadyRunningError(
-                f"a bicodec-shm server (pid {pid}) is already serving {name!r}; stop it first "
-                "or choose another --name"
-            )
-        if int(header["magic"]) not in (0, MAGIC):
-            raise SegmentError(
-                f"/dev/shm/{name} exists and is not a bicodec-shm segment; refusing to remove it"
-            )
-        log.warning("taking over %r, left behind by dead server pid %d", name, pid)
-        unlink_all(name, int(header["n_slots"]) or None)
-    else:
-        unlink_all(name)  # stale semaphores without a segment
-    return Segment.create(name, **kwargs)
-
-
-def _first_out_of_range(ids: np.ndarray, vocab: int) -> tuple[int, int] | None:
-    if len(ids) == 0 or (ids.min() >= 0 and ids.max() < vocab):
-        return None  # the common case, without allocating a mask
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-    if len(bad) == 0:
-        return None
-    return int(bad[0]), int(ids[bad[0]])
-
-
 def _device_of(decoder: object) -> torch.device:
     device = getattr(decoder, "device", None)
     if device is not None:
@@ -513,7 +504,3 @@ def _device_of(decoder: object) -> torch.device:
             return p.device
     return torch.device("cpu")
 
-
-def _release_accelerator_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # after an OOM, so that the halves of a split batch can fit

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from bicodec_shm.transport import N_GLOBAL, Segment, SlotState
+from bicodec_shm.transport import N_GLOBAL, NO_BELL, Segment, SlotState
 
 
 def main(name: str, stage: str) -> None:
@@ -33,16 +33,17 @@ def main(name: str, stage: str) -> None:
         die()
     seg.globals[slot] = 3
     s["n_tokens"][slot], s["n_global"][slot], s["dtype"][slot] = 50, N_GLOBAL, 0
-    s["notify"][slot], s["req_generation"][slot] = slot, s["generation"][slot]
+    s["notify"][slot], s["req_generation"][slot] = NO_BELL, s["generation"][slot]
     s["request_seq"][slot] = 1
     s["t_submit_ns"][slot] = time.monotonic_ns()
     s["state"][slot] = SlotState.READY
+    seg.req(slot).release()
     seg.ready.release()
     if stage == "rung":
         die()
     if stage == "waiting":
         time.sleep(60)
-    seg.done[slot].acquire(30)
+    seg.done(slot).acquire(30)
     die()  # done_unread
 
 

@@ -50,8 +50,8 @@ class _SlowModel:
 def test_client_killed_at_each_stage_is_reclaimed_and_its_late_result_dropped(
     thread_server, shm_name, stage
 ):
-    # Two slots only, so the next client must reuse the dead one's slot.
-    server = thread_server(_SlowModel(0.4), slots=2, reap_interval=0.1)
+    # One slot only, so the next client must reuse the dead one's slot.
+    server = thread_server(_SlowModel(0.4), slots=1, reap_interval=0.1)
     proc = subprocess.Popen(_script("kill_at_stage.py", shm_name, stage), stdout=subprocess.PIPE, text=True)
     try:
         slot = int(proc.stdout.readline().split()[1])
@@ -68,11 +68,11 @@ def test_client_killed_at_each_stage_is_reclaimed_and_its_late_result_dropped(
     assert int(server.segment.slots["generation"][slot]) == gen_before + 1
     # The next owner of that very slot gets its own audio, never the dead client's result.
     with DecoderClient(shm_name, slots=2) as client:
-        assert slot in client._att.owned
         sem, glb = np.arange(1, 51) * 3, np.arange(32) * 5
         for _ in range(2):
             np.testing.assert_allclose(client.decode(sem, glb, dtype="float32"),
                                        single_decode(sem, glb), atol=1e-5, rtol=0)  # fmt: skip
+            assert client._att.owned == {slot}
 
 
 def test_clients_killed_at_random_moments_50_times_never_wedge_anyone(start_server, shm_name):
@@ -106,7 +106,7 @@ def test_clients_killed_at_random_moments_50_times_never_wedge_anyone(start_serv
     assert healthy and set(healthy) == {"ok"}, healthy[-5:]
     _wait_all_free(shm_name, within=2.0)
     stats = stats_from_header(read_header(shm_name))
-    assert stats["reclaimed"] >= 100  # 50 clients x (2 request slots + 1 doorbell slot)
+    assert stats["reclaimed"] >= 50  # 50 clients x (1 or 2 slots)
     assert stats["failed"] == 0
 
 

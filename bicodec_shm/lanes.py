@@ -1,0 +1,227 @@
+"""Decode lanes: worker threads of the server that run planned batches through the model.
+
+A lane takes the next planned ``Batch`` (slot_io.py) from the dispatcher's queue, runs it
+through the decoder, converts the audio to each row's output dtype *on the device* (int16 rows
+come back at half the bytes), copies it to the host once, and publishes it into the slots.
+
+- **CPU**: K lanes share one copy of the weights and split the cores between them (each lane
+  sets its own intra-op thread count): on this 2-core machine two 1-thread decodes beat one
+  2-thread decode (see benchmarks/RESULTS.md). Each lane runs one batch at a time.
+- **CUDA**: one lane by default. It pipelines: it launches batch k, then publishes batch k-1
+  (whose device-to-host copy into a pinned buffer an event guards) while k runs. Two pinned
+  buffers alternate so that k's copy never overwrites what k-1's publishing reads.
+- **Failures**: a batch that raises is split in halves and each half retried; a row that fails
+  alone gets DECODE_FAILED and everyone else their audio.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .slot_io import Batch
+from .transport import HOP
+
+log = logging.getLogger("bicodec_shm.server")
+
+
+@dataclass
+class Decoded:
+    """A batch's audio on the host, ready to publish: ``pcm16`` (B16, N) int16 for the rows
+    ``rows16``, ``pcm32`` (B32, N) float32 for the rows ``rows32`` (indices into the batch)."""
+
+    pcm16: np.ndarray | None
+    rows16: np.ndarray
+    pcm32: np.ndarray | None
+    rows32: np.ndarray
+
+
+class _InFlight:
+    """A launched batch whose host copy may still be under way (CUDA) or is done (CPU)."""
+
+    def __init__(self, batch: Batch, decoded: Decoded, t0: int, event: Any = None) -> None:
+        self.batch, self.decoded, self.event = batch, decoded, event
+        self.t0 = t0  # perf_counter_ns at launch
+
+    def wait(self) -> Decoded:
+        if self.event is not None:
+            self.event.synchronize()  # the host copy has landed
+        return self.decoded
+
+
+class Runner:
+    """Runs batches on the decoder's device; returns host arrays of each row's output dtype.
+
+    Args:
+        decoder: ``detokenize(semantic (B,T) int64, global (B,32) int64, lengths (B,) int64)``
+            -> float (B, >=320·T) on its device. Given host tensors: it moves them itself.
+        device: where the decoder's output lives.
+    """
+
+    def __init__(self, decoder: Any, device: torch.device) -> None:
+        self.decoder = decoder
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._pinned: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
+        self._flip = 0
+
+    def launch(self, batch: Batch) -> _InFlight:
+        t0 = time.perf_counter_ns()
+        b, t = batch.semantic.shape
+        n = t * HOP
+        out = self.decoder.detokenize(
+            torch.from_numpy(batch.semantic),
+            torch.from_numpy(batch.global_ids),
+            torch.from_numpy(batch.lengths),
+        )
+        if out.dim() != 2 or out.shape[0] != b or out.shape[1] < n:
+            raise RuntimeError(f"decoder returned shape {tuple(out.shape)}, expected ({b}, {n})")
+        out = out[:, :n]
+        dtypes = batch.requests.dtypes
+        rows16 = np.flatnonzero(dtypes == 0)
+        rows32 = np.flatnonzero(dtypes != 0)
+        dev16 = dev32 = None
+        if len(rows16):
+            part = out if len(rows16) == b else out[torch.from_numpy(rows16).to(out.device)]
+            # The seed's conversion: clip, scale by 32767 in float32, truncate toward zero.
+            # clamp() makes a new tensor: the decoder's own output is never changed in place.
+            dev16 = torch.clamp(part.float(), -1.0, 1.0).mul_(32767.0).to(torch.int16)
+        if len(rows32):
+            dev32 = (out if len(rows32) == b else out[torch.from_numpy(rows32).to(out.device)]).float()
+        if not self.cuda:
+            host16 = None if dev16 is None else dev16.numpy()
+            host32 = None if dev32 is None else dev32.numpy()
+            return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0)
+        buffers = self._pinned[self._flip]
+        self._flip ^= 1
+        host16 = None if dev16 is None else self._to_pinned(buffers, dev16)
+        host32 = None if dev32 is None else self._to_pinned(buffers, dev32)
+        event = torch.cuda.Event()
+        event.record()
+        return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event)
+
+    def _to_pinned(self, buffers: dict[torch.dtype, torch.Tensor], x: torch.Tensor) -> np.ndarray:
+        """Start one non-blocking device-to-host copy of ``x`` into a reused pinned buffer."""
+        buf = buffers.get(x.dtype)
+        if buf is None or buf.numel() < x.numel():
+            buf = torch.empty(max(x.numel(), 1 << 20), dtype=x.dtype, pin_memory=True)
+            buffers[x.dtype] = buf
+        view = buf[: x.numel()].view(x.shape)
+        view.copy_(x, non_blocking=True)
+        return view.numpy()
+
+
+class Lane(threading.Thread):
+    """One decode worker: takes batches from ``work`` until it gets None.
+
+    Args:
+        index: the lane's number (for logs).
+        work: the dispatcher's queue of planned batches.
+        runner: runs a batch on the device.
+        publish: writes a decoded batch into its slots (``(batch, decoded) -> None``).
+        fail: answers one row with an error (``(batch, row, message) -> None``).
+        started: called with (batch, lane index) when the lane takes a batch.
+        finished: called likewise once all of the batch's rows are answered.
+        threads: intra-op CPU threads for this lane (None: leave torch's setting).
+        pipeline: overlap publishing batch k-1 with running batch k (CUDA).
+    """
+
+    def __init__(self, index: int, work: queue.SimpleQueue, runner: Runner, *,
+                 publish: Callable[[Batch, Decoded, int], None],
+                 fail: Callable[[Batch, int, str], None],
+                 started: Callable[[Batch, int], None],
+                 finished: Callable[[Batch, int], None],
+                 threads: int | None, pipeline: bool) -> None:  # fmt: skip
+        super().__init__(name=f"bicodec-shm-lane-{index}", daemon=True)
+        self.index = index
+        self.work = work
+        self.runner = runner
+        self._on_publish, self._on_fail = publish, fail
+        self._on_start, self._on_finish = started, finished
+        self.threads = threads
+        self.pipeline = pipeline
+
+    def run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # per thread: this lane's share of the cores
+        with torch.inference_mode():
+            if self.pipeline:
+                self._run_pipelined()
+            else:
+                self._run_sequential()
+
+    def _run_sequential(self) -> None:
+        while True:
+            batch = self.work.get()
+            if batch is None:
+                return
+            self._on_start(batch, self.index)
+            try:
+                self._decode(batch)
+            except Exception:  # a bug of ours must not take the lane, and its slots, with it
+                log.exception("lane %d failed on a batch of %d", self.index, len(batch.requests))
+            finally:
+                self._on_finish(batch, self.index)
+
+    def _run_pipelined(self) -> None:
+        prev: _InFlight | None = None
+        while True:
+            try:
+                batch = self.work.get(block=prev is None)
+            except queue.Empty:
+                batch = False  # nothing new yet: finish the batch in flight first
+            current = None
+            if batch:
+                self._on_start(batch, self.index)
+                try:
+                    current = self.runner.launch(batch)
+                except Exception:
+                    self._decode(batch)  # the split-and-retry path, run to the end now
+                    self._on_finish(batch, self.index)
+            if prev is not None:
+                self._complete(prev)
+            prev = current
+            if batch is None:
+                return
+
+    def _complete(self, inflight: _InFlight) -> None:
+        batch = inflight.batch
+        try:
+            decoded = inflight.wait()
+            self._on_publish(batch, decoded, time.perf_counter_ns() - inflight.t0)
+        except Exception:
+            self._decode(batch)
+        finally:
+            self._on_finish(batch, self.index)
+
+    def _decode(self, batch: Batch) -> None:
+        """Run, publish; on failure split in halves and retry each (recursively)."""
+        try:
+            inflight = self.runner.launch(batch)
+            decoded = inflight.wait()
+        except Exception as exc:  # any model failure must fail requests, not the server
+            _release_accelerator_memory(self.runner.device)
+            if len(batch.requests) == 1:
+                cause = f"{type(exc).__name__}: {exc}"
+                log.warning("decode of slot %d failed: %s", int(batch.slots[0]), cause)
+                self._on_fail(batch, 0, f"decode failed: {cause}")
+                return
+            log.warning("batch of %d failed (%s); splitting and retrying", len(batch.requests), exc)
+            for half in batch.split():
+                self._decode(half)
+            return
+        self._on_publish(batch, decoded, time.perf_counter_ns() - inflight.t0)
+
+
+def _release_accelerator_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # after an OOM, so that the halves of a split batch can fit
+

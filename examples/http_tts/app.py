@@ -13,7 +13,7 @@ which batches them. Routes:
 - ``POST /v1/decode/stream``: the same body, plus an optional ``"preset"`` (``"default"``,
   ``"exact"`` or ``"peers"``, see ``bicodec_shm.streaming``) -> ``audio/wav`` as a chunked
   response: a 44-byte WAV header whose two size fields are 0xFFFFFFFF ("length unknown", as
-  streaming WAV writers do; ffplay, mpv, sox and Python's ``wave`` read it), then PCM as each
+  streaming WAV writers do; ffmpeg/ffplay, sox and Python's ``wave`` read it), then PCM as each
   window of ``DecodeStream`` is decoded.
 - ``GET /healthz``: 200 while the decoder server is serving, else 503 (for a readiness probe).
 

@@ -28,6 +28,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from bicodec_shm import processes  # noqa: E402
+from bicodec_shm.client import DecoderClient  # noqa: E402
 from bicodec_shm.transport import leftover_objects, read_header, stats_from_header  # noqa: E402
 
 if ROOT not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the root on the path
@@ -104,8 +105,8 @@ class Uvicorn:
 def start_uvicorn(shm_name: str, tmp_path) -> Iterator[Callable[..., Uvicorn]]:
     started: list[Uvicorn] = []
 
-    def start(workers: int = 4) -> Uvicorn:
-        service = Uvicorn(shm_name, workers, str(tmp_path / f"uvicorn{len(started)}.log"))
+    def start(workers: int = 4, timeout: float = 120.0) -> Uvicorn:
+        service = Uvicorn(shm_name, workers, str(tmp_path / f"uvicorn{len(started)}.log"), timeout=timeout)
         started.append(service)
         service.wait_started()
         return service
@@ -195,41 +196,78 @@ def serve_gated(name: str, gate: str) -> None:
     DecoderServer(GatedDecoder(gate), name).serve_forever()
 
 
-def test_stream_sends_the_first_audio_before_the_rest_is_decoded(shm_name, start_uvicorn, tmp_path):
+@pytest.fixture
+def gated_server(shm_name, tmp_path) -> Iterator[tuple[subprocess.Popen, object]]:
+    """A tiny-model server process that decodes one batch, then waits for the file ``gate``."""
     gate = tmp_path / "gate"
     code = (f"import sys; sys.path.insert(0, {TESTS!r}); import test_http_example as t; "
             "t.serve_gated(*sys.argv[1:])")  # fmt: skip
     server = subprocess.Popen([sys.executable, "-c", code, shm_name, str(gate)], cwd=ROOT)
     try:
         processes.wait_until_serving(shm_name, server, timeout=60)
-        service = start_uvicorn(workers=1)
-        rng = np.random.default_rng(5)
-        sem, glb = rng.integers(0, 8192, 400).tolist(), rng.integers(0, 4096, 32).tolist()
-        # "exact": 50-token regions, 67 tokens of context on each side -> 7 windows for 400 tokens.
-        body = {"semantic_ids": sem, "global_ids": glb, "preset": "exact"}
-        first_region = 2 * 320 * 50
-        with httpx.Client(base_url=service.url, timeout=120) as client:
-            with client.stream("POST", "/v1/decode/stream", json=body) as r:
-                assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
-                chunks = r.iter_raw()
-                received = b""
-                while len(received) <= load.HEADER_BYTES:
-                    received += next(chunks)
-                # Audio is here, and the decoder has answered exactly one window: the gate holds
-                # the second, so the rest of the utterance cannot have been decoded yet.
-                assert stats_from_header(read_header(shm_name))["requests"] == 1
-                assert load.HEADER_BYTES < len(received) <= load.HEADER_BYTES + first_region
-                gate.touch()
-                parts = [received, *chunks]
-        audio = load.read_wav(b"".join(parts))
-        _assert_matches_lone_decode(audio, sem, glb)
-        assert stats_from_header(read_header(shm_name))["requests"] == 7
+        yield server, gate
     finally:
         gate.touch()
         processes.stop_server(server, timeout=20)
+
+
+def _first_audio(response: httpx.Response) -> tuple[bytes, Iterator[bytes]]:
+    """Read a streamed response until its first PCM bytes; -> (bytes so far, the rest)."""
+    chunks = response.iter_raw()
+    received = b""
+    while len(received) <= load.HEADER_BYTES:
+        received += next(chunks)
+    return received, chunks
+
+
+# 400 tokens with the "exact" preset: 50-token regions, 67 tokens of context on each side, so 7
+# windows; a decode's first audio is the first region, 50 tokens.
+STREAM_TOKENS, STREAM_WINDOWS, FIRST_REGION_BYTES = 400, 7, 2 * 320 * 50
+
+
+def _stream_request() -> dict:
+    rng = np.random.default_rng(5)
+    sem, glb = rng.integers(0, 8192, STREAM_TOKENS).tolist(), rng.integers(0, 4096, 32).tolist()
+    return {"semantic_ids": sem, "global_ids": glb, "preset": "exact"}
+
+
+def test_stream_sends_the_first_audio_before_the_rest_is_decoded(shm_name, gated_server, start_uvicorn):
+    server, gate = gated_server
+    service = start_uvicorn(workers=1)
+    body = _stream_request()
+    with httpx.Client(base_url=service.url, timeout=120) as client:
+        with client.stream("POST", "/v1/decode/stream", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+            received, rest = _first_audio(r)
+            # Audio is here, and the decoder has answered exactly one window: the gate holds the
+            # second, so the rest of the utterance cannot have been decoded yet.
+            assert stats_from_header(read_header(shm_name))["requests"] == 1
+            assert load.HEADER_BYTES < len(received) <= load.HEADER_BYTES + FIRST_REGION_BYTES
+            gate.touch()
+            audio = load.read_wav(b"".join([received, *rest]))
+    _assert_matches_lone_decode(audio, body["semantic_ids"], body["global_ids"])
+    assert stats_from_header(read_header(shm_name))["requests"] == STREAM_WINDOWS
+    processes.stop_server(server, timeout=20)
     assert server.returncode == 0
     assert service.stop() == 0
     assert leftover_objects(shm_name) == []
+
+
+def test_a_stream_whose_decoder_dies_is_cut_off_not_ended(gated_server, start_uvicorn):
+    """A truncated stream must not look like a complete (shorter) WAV: no final chunk."""
+    server, _ = gated_server
+    service = start_uvicorn(workers=1, timeout=3)  # how long a window waits for a new decoder
+    workers = service.worker_pids()
+    with httpx.Client(base_url=service.url, timeout=120) as client:
+        with client.stream("POST", "/v1/decode/stream", json=_stream_request()) as r:
+            received, rest = _first_audio(r)
+            server.kill()  # mid-utterance: the second window is inside the decoder
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                received += b"".join(rest)
+        assert len(received) <= load.HEADER_BYTES + FIRST_REGION_BYTES
+        assert client.get("/healthz").status_code == 503
+    assert service.worker_pids() == workers
+    assert "stream cut off after 16000 samples" in service.log()
 
 
 # -- error mapping, in-process ------------------------------------------------------------------
@@ -287,3 +325,16 @@ def test_timeout_is_504_and_a_huge_body_413(shm_name, thread_server):
     assert slow.status_code == 504 and "within the timeout" in slow.json()["error"]
     assert huge.status_code == 413 and "at most" in huge.json()["error"]
     assert bad_preset.status_code == 422 and "preset must be a string" in bad_preset.json()["error"]
+
+
+def test_no_free_slot_at_the_decoder_is_503_naming_slots(shm_name, thread_server):
+    thread_server(slots=2)
+    ok = {"semantic_ids": [1, 2, 3], "global_ids": list(range(32))}
+    with DecoderClient(shm_name, slots=2):  # another process's worker holds every slot
+        (r,) = asyncio.run(_call(create_app(Settings(name=shm_name)), ("POST", "/v1/decode", ok)))
+    assert r.status_code == 503 and "--slots" in r.json()["error"]
+
+
+def test_a_bad_decoder_name_stops_the_worker_at_start():
+    with pytest.raises(ValueError, match="name"):
+        create_app(Settings(name="no/slashes"))

@@ -20,9 +20,10 @@ which batches them. Routes:
 Errors are JSON ``{"error": message}``: 422 for bad input (the library's ``ValueError`` text,
 malformed JSON, missing or unknown fields), 413 for a body over ``MAX_BODY_BYTES``, 503 with
 ``Retry-After`` while no decoder server serves (at once for a new request; one in flight when the
-decoder dies is resubmitted to its replacement until its deadline), 504 when a decode misses its
-deadline. A stream whose decode fails after its header was sent is cut off (no final chunk), so
-a client sees a truncated transfer, never a short file that looks complete.
+decoder dies is resubmitted to its replacement until its deadline) or it has no free slot, 504
+when a decode misses its deadline. A stream whose decode fails after its header was sent is cut
+off (no final chunk), so a client sees a truncated transfer, never a short file that looks
+complete.
 
 Settings, from the environment (read once per worker):
 
@@ -57,14 +58,10 @@ from starlette.routing import Route
 
 from bicodec_shm.cli import DEFAULT_NAME
 from bicodec_shm.client import DecoderClient
-from bicodec_shm.errors import (
-    BiCodecShmError,
-    DecodeTimeoutError,
-    SegmentError,
-    ServerUnavailableError,
-)
+from bicodec_shm.errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
 from bicodec_shm.processes import is_serving
 from bicodec_shm.streaming import DEFAULT_MAX_WINDOW, SAMPLE_RATE, SEMANTIC_VOCAB, DecodeStream
+from bicodec_shm.transport import validate_name
 from bicodec_shm.validation import as_token_array
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: our lines share its format
@@ -135,14 +132,16 @@ class _Decoder:
 
 def create_app(settings: Settings | None = None) -> Starlette:
     """The ASGI app; ``settings`` default to the environment's."""
-    decoder = _Decoder(settings or Settings.from_env())
+    settings = settings or Settings.from_env()
+    validate_name(settings.name)  # a bad BICODEC_SHM_NAME stops the worker, not every request
+    decoder = _Decoder(settings)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             decoder.attach()
             log.info("worker %d attached to decoder %r", os.getpid(), decoder.settings.name)
-        except (ServerUnavailableError, SegmentError) as exc:
+        except BiCodecShmError as exc:  # no server yet, or no free slot: answer 503s meanwhile
             log.warning("worker %d: %s; will attach at the first request", os.getpid(), exc)
         try:
             yield
@@ -259,12 +258,12 @@ def _error_response(exc: Exception) -> JSONResponse:
         status = 413
     elif isinstance(exc, DecodeTimeoutError):  # before its base class, ServerUnavailableError
         status = 504
-    elif isinstance(exc, (ServerUnavailableError, SegmentError)):
-        status, headers = 503, {"Retry-After": "1"}
     elif isinstance(exc, ValueError):  # BadRequest, and every input check of the library
         status = 422
-    elif isinstance(exc, BiCodecShmError):  # DecodeError: the decoder failed this request
+    elif isinstance(exc, DecodeError):  # the decoder failed this one request
         status = 500
+    elif isinstance(exc, BiCodecShmError):  # no server, not a usable segment, no free slot
+        status, headers = 503, {"Retry-After": "1"}
     else:
         log.exception("unexpected error")
         status, exc = 500, RuntimeError(f"internal error: {type(exc).__name__}")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import wave
 
 import numpy as np
@@ -250,3 +251,35 @@ def test_world_access_with_the_flag_warns_and_applies_the_mode(shm_name, capsys)
     t.join(30)
     assert rc == 0 and seen["mode"] == 0o604
     assert "warning: --mode 0o604 lets every user of this host attach" in capsys.readouterr().err
+
+
+def test_stats_watch_survives_a_server_restart(thread_server, shm_name, monkeypatch, capsys):
+    first = thread_server()
+    with DecoderClient(shm_name) as client:
+        for _ in range(3):
+            client.decode(list(range(20)), list(range(32)))
+    steps = iter(["stop", "restart"])
+
+    def between_samples(seconds):
+        step = next(steps, None)
+        if step == "stop":
+            first.stop()
+            deadline = time.monotonic() + 20
+            while leftover_objects(shm_name) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif step == "restart":
+            thread_server()
+            with DecoderClient(shm_name) as client:
+                client.decode(list(range(20)), list(range(32)))
+        else:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_sleep", between_samples)
+    assert main(["stats", shm_name, "--watch", "1"]) == 130
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("time"))
+    gone, note, row = lines[header + 1 :]
+    assert gone.endswith(f"no segment named {shm_name!r} (stopped?)")
+    assert "new server" in note and "rates from its start" in note
+    assert row.split()[-2:] == ["1", "alive"]  # the new server's total, not 3 + 1, nor -2
+    assert float(row.split()[2]) > 0  # req/s of the interval: the new server's one request

@@ -1,4 +1,4 @@
-"""``bicodec-shm``: serve | stats | demo | bench | soak | cleanup.
+"""``bicodec-shm``: serve | stats | decode | demo | bench | soak | cleanup.
 
 ``main(argv=None) -> int`` is the console script; tests call it in-process.
 """
@@ -6,10 +6,15 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import io
 import json
 import logging
+import os
+import re
 import sys
 import time
+import wave
 from collections.abc import Sequence
 
 from .batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
@@ -27,6 +32,9 @@ from .transport import (
 )
 
 DEFAULT_NAME = "bicodec-shm"
+SAMPLE_RATE = 16_000
+TOKENS_PER_SECOND = 50  # semantic tokens per second of 16 kHz audio (hop 320)
+_sleep = time.sleep  # `stats --watch` between samples; tests replace it to drive the intervals
 PRESETS = ("spark-tts-0.5b", "tiny")
 
 
@@ -43,6 +51,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`stats --watch | head`). The recipe of Python's signal docs:
+        # point stdout at /dev/null so that the flush at exit does not raise a second time.
+        _silence_stdout()
+        return 1
+
+
+def _silence_stdout() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return  # not a real file (captured in a test): nothing is flushed to a pipe at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_server_args(s)
     s.add_argument("--mode", default="0o600", type=_octal,
                    help="permissions: 0o600 this user only, 0o660 also the group")  # fmt: skip
+    s.add_argument("--allow-world-access", action="store_true",
+                   help="accept a --mode that lets every user of the host attach (not advised)")  # fmt: skip
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(func=_cmd_serve)
 
@@ -64,6 +89,17 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
                     help="refresh every SECONDS (default 1) until interrupted")  # fmt: skip
     st.set_defaults(func=_cmd_stats)
+
+    de = sub.add_parser("decode", help="decode token ids from files into a WAV through a running server")
+    de.add_argument("--name", default=DEFAULT_NAME, help=f"the server's name (default {DEFAULT_NAME})")
+    de.add_argument("--semantic", required=True, metavar="FILE",
+                    help="semantic ids in [0, 8192): .npy, or ints split by spaces/commas")  # fmt: skip
+    de.add_argument("--global", dest="global_", required=True, metavar="FILE",
+                    help="the 32 global ids in [0, 4096), same formats")  # fmt: skip
+    de.add_argument("-o", "--output", required=True, metavar="WAV",
+                    help="the 16 kHz mono int16 WAV to write ('-': standard output)")  # fmt: skip
+    de.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the audio (default 30)")
+    de.set_defaults(func=_cmd_decode)
 
     d = sub.add_parser("demo", help="a server and N client processes, checked against local decodes")
     _add_model_args(d)
@@ -143,7 +179,20 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     return BiCodecDecoder.from_config(args.preset, seed=args.seed).to(args.device)
 
 
+def _check_mode(mode: int, *, allow_world: bool) -> None:
+    """Refuse world access to the segment unless it is asked for explicitly (then warn)."""
+    if not mode & 0o007:
+        return
+    what = (f"--mode {mode:#o} lets every user of this host attach: any local process could "
+            "submit requests and read the audio of other clients")  # fmt: skip
+    if not allow_world:
+        raise ValueError(f"{what}; use 0o600 (this user) or 0o660 (this group), or add "
+                         "--allow-world-access if you really mean it")  # fmt: skip
+    print(f"bicodec-shm: warning: {what} (--allow-world-access)", file=sys.stderr)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    _check_mode(args.mode, allow_world=args.allow_world_access)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -168,19 +217,93 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    header = read_header(args.name)
+    if header is None:
+        raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm")
+    stats = _stats(args.name, header)
+    if args.watch is None:
+        print(json.dumps(stats, indent=2) if args.json else format_stats(args.name, stats))
+        return 0
+    if args.watch <= 0:
+        raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
+    return _watch(args, stats)
+
+
+def _stats(name: str, header) -> dict:
+    stats = stats_from_header(header)
+    stats["server_alive"] = probe(name) is ServerState.SERVING
+    return stats
+
+
+def _watch(args: argparse.Namespace, stats: dict) -> int:
+    """One line per interval: a timestamp and the rates within that interval (like vmstat)."""
+    if not args.json:
+        print(format_stats(args.name, stats))
+        print(WATCH_COLUMNS, flush=True)
+    before, t_before = stats, time.monotonic()
     while True:
-        header = read_header(args.name)
+        _sleep(args.watch)
+        header, now = read_header(args.name), time.monotonic()
+        stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
         if header is None:
-            raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm")
-        stats = stats_from_header(header)
-        stats["server_alive"] = probe(args.name) is ServerState.SERVING
+            line = {"time": stamp, "segment": None}
+            print(json.dumps(line) if args.json else f"{stamp}  no segment named {args.name!r} (stopped?)",
+                  flush=True)  # fmt: skip
+            continue
+        stats = _stats(args.name, header)
+        if stats["server_epoch"] != before["server_epoch"]:  # a new server: counters restart at 0
+            before = {k: 0 for k in ("requests", "batches", "tokens", "failed")} | {
+                "batch_size_histogram": {}, "avg_queue_wait_ms": 0.0}  # fmt: skip
+            if not args.json:
+                print(f"{stamp}  new server (pid {stats['server_pid']}); rates from its start", flush=True)
+        rates = interval_rates(before, stats, now - t_before)
         if args.json:
-            print(json.dumps(stats, indent=None if args.watch else 2), flush=True)
+            print(json.dumps({"time": stamp, "interval": rates, "totals": stats}), flush=True)
         else:
-            print(format_stats(args.name, stats), flush=True)
-        if args.watch is None:
-            return 0
-        time.sleep(args.watch)
+            print(format_watch_line(stamp, rates, stats), flush=True)
+        before, t_before = stats, now
+
+
+WATCH_COLUMNS = (f"{'time':<19}  {'req/s':>7}  {'batch/s':>7}  {'audio s/s':>9}  {'avg batch':>9}  "
+                 f"{'queue ms':>8}  {'failed':>6}  {'requests':>8}  server")  # fmt: skip
+
+
+def interval_rates(before: dict, after: dict, seconds: float) -> dict:
+    """Rates between two ``stats_from_header`` snapshots taken ``seconds`` apart.
+
+    Audio seconds come from the real (unpadded) tokens decoded: 50 tokens a second.
+    """
+    seconds = max(seconds, 1e-9)
+    requests = after["requests"] - before["requests"]
+    batches = after["batches"] - before["batches"]
+    rows = _rows(after) - _rows(before)
+    queued_ms = _queued_ms(after) - _queued_ms(before)
+    return {
+        "seconds": seconds,
+        "requests": requests,
+        "failed": after["failed"] - before["failed"],
+        "requests_per_s": requests / seconds,
+        "batches_per_s": batches / seconds,
+        "audio_s_per_s": (after["tokens"] - before["tokens"]) / TOKENS_PER_SECOND / seconds,
+        "avg_batch_size": rows / batches if batches else 0.0,
+        "avg_queue_wait_ms": queued_ms / requests if requests else 0.0,
+    }
+
+
+def _rows(stats: dict) -> int:
+    """Requests decoded in all batches so far, from the batch-size histogram."""
+    return sum(b * n for b, n in stats["batch_size_histogram"].items())
+
+
+def _queued_ms(stats: dict) -> float:
+    return stats["avg_queue_wait_ms"] * stats["requests"]
+
+
+def format_watch_line(stamp: str, rates: dict, stats: dict) -> str:
+    r, state = rates, "alive" if stats.get("server_alive") else "dead"
+    return (f"{stamp:<19}  {r['requests_per_s']:>7.1f}  {r['batches_per_s']:>7.1f}  "
+            f"{r['audio_s_per_s']:>9.2f}  {r['avg_batch_size']:>9.2f}  "
+            f"{r['avg_queue_wait_ms']:>8.1f}  {r['failed']:>6}  {stats['requests']:>8}  {state}")  # fmt: skip
 
 
 def format_stats(name: str, stats: dict) -> str:
@@ -201,6 +324,79 @@ def format_stats(name: str, stats: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from .client import DecoderClient
+
+    validate_name(args.name)
+    try:
+        semantic = read_ids(args.semantic, what="--semantic")
+        global_ids = read_ids(args.global_, what="--global")
+    except OSError as exc:
+        raise ValueError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    with DecoderClient(args.name, timeout=args.timeout) as client:
+        pcm = client.decode(semantic, global_ids)  # (320·T,) int16
+    data = wav_bytes(pcm)
+    if args.output == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        try:
+            with open(args.output, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            raise BiCodecShmError(f"cannot write {args.output}: {exc.strerror}") from None
+    where = "standard output" if args.output == "-" else args.output
+    print(f"wrote {where}: {len(semantic)} tokens, {len(pcm) / SAMPLE_RATE:.2f} s of 16 kHz mono int16",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def read_ids(path: str, *, what: str):  # -> np.ndarray (N,) int64
+    """Token ids from a ``.npy`` file (any integer dtype; a (1, N) array is flattened) or a text
+    file of integers separated by whitespace and/or commas (surrounding brackets allowed).
+
+    Only the file's format is checked here; ranges and lengths are the client's checks.
+    """
+    import numpy as np
+
+    if path.endswith(".npy"):
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except ValueError as exc:
+            raise ValueError(f"{what} {path}: not a numpy array file ({exc})") from None
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{what} {path}: ids must be integers, the array is {arr.dtype}")
+        if sum(d != 1 for d in arr.shape) > 1:
+            raise ValueError(f"{what} {path}: expected a 1-D array of ids, got shape {arr.shape}")
+        return arr.reshape(-1).astype(np.int64)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    words = [w for w in re.split(r"[\s,]+", text.strip().strip("[]")) if w]
+    ids = []
+    for i, word in enumerate(words):
+        try:
+            ids.append(int(word))
+        except ValueError:
+            raise ValueError(
+                f"{what} {path}: item {i} is {word[:20]!r}, not an integer "
+                "(expected ints separated by spaces or commas, or a .npy file)"
+            ) from None
+    return np.asarray(ids, dtype=np.int64)
+
+
+def wav_bytes(pcm) -> bytes:
+    """(N,) int16 samples -> a complete 16 kHz mono WAV file, written by ``wave``."""
+    import numpy as np
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(SAMPLE_RATE)
+        w.writeframes(np.ascontiguousarray(pcm, dtype="<i2").tobytes())
+    return buf.getvalue()
 
 
 def _cmd_cleanup(args: argparse.Namespace) -> int:

@@ -1,17 +1,23 @@
-"""The CLI, called in-process: serve, stats --json, demo, cleanup."""
+"""The CLI, called in-process: serve, stats (--json, --watch), decode, demo, cleanup."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
+import time
+import wave
 
 import numpy as np
 import pytest
 from conftest import wait_until_serving
 from support import seed_int16, single_decode
 
+from bicodec_shm import cli
 from bicodec_shm.cli import main
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.transport import Segment, leftover_objects
@@ -94,3 +100,186 @@ def test_demo_runs_checks_results_and_leaves_nothing(tmp_path, capsys):
     printed = capsys.readouterr().out
     for words in ("throughput", "avg batch size", "latency p50 / p99", "wall time"):
         assert words in printed
+
+
+# -- decode -------------------------------------------------------------------------------------
+
+
+def _read_wav(path) -> np.ndarray:
+    with wave.open(str(path)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16000)
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2")
+
+
+def test_decode_writes_the_lone_decode_as_a_wav(thread_server, shm_name, tmp_path, capsys):
+    thread_server()
+    rng = np.random.default_rng(3)
+    sem, glb = rng.integers(0, 8192, 77), rng.integers(0, 4096, 32)
+    # Text as people paste it (commas, newlines, brackets), and a (1, 32) int32 array as
+    # Spark-TTS's tensors save.
+    (tmp_path / "sem.txt").write_text(
+        "[" + ",\n".join(" ".join(map(str, row)) for row in np.split(sem, 7)) + "]"
+    )
+    np.save(tmp_path / "glb.npy", glb.astype(np.int32)[None])
+    out = tmp_path / "out.wav"
+    rc = main(["decode", "--name", shm_name, "--semantic", str(tmp_path / "sem.txt"),
+               "--global", str(tmp_path / "glb.npy"), "-o", str(out)])  # fmt: skip
+    assert rc == 0
+    pcm = _read_wav(out)
+    expected = seed_int16(single_decode(sem, glb))
+    assert pcm.shape == expected.shape and np.abs(pcm.astype(np.int32) - expected).max() <= 1
+    assert f"wrote {out}: 77 tokens, 1.54 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("semantic", "global_", "message"),
+    [
+        ("missing.txt", "glb.npy", "cannot read"),
+        ("words.txt", "glb.npy", "item 2 is 'x', not an integer"),
+        ("floats.npy", "glb.npy", "ids must be integers"),
+        ("square.npy", "glb.npy", "expected a 1-D array of ids, got shape (2, 2)"),
+        ("pickle.npy", "glb.npy", "not a numpy array file"),
+        ("sem.txt", "sem.txt", "global_ids must have exactly 32 ids, got 3"),
+        ("big.txt", "glb.npy", "is out of range: ids must be in 0..8191"),
+        ("empty.txt", "glb.npy", "semantic_ids is empty"),
+    ],
+)
+def test_decode_errors_are_one_line(thread_server, shm_name, tmp_path, capsys, semantic, global_, message):
+    thread_server()
+    (tmp_path / "sem.txt").write_text("1 2 3")
+    (tmp_path / "words.txt").write_text("1, 2, x")
+    (tmp_path / "big.txt").write_text("1 8192")
+    (tmp_path / "empty.txt").write_text("\n")
+    np.save(tmp_path / "glb.npy", np.arange(32))
+    np.save(tmp_path / "floats.npy", np.ones(5))
+    np.save(tmp_path / "square.npy", np.ones((2, 2), np.int64))
+    (tmp_path / "pickle.npy").write_bytes(b"not an npy header")
+    rc = main(["decode", "--name", shm_name, "--semantic", str(tmp_path / semantic),
+               "--global", str(tmp_path / global_), "-o", str(tmp_path / "out.wav")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("bicodec-shm: error: ")
+    assert message in err
+    assert not (tmp_path / "out.wav").exists()
+
+
+def test_decode_without_a_server_is_one_line(shm_name, tmp_path, capsys):
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, range(32))))
+    ids = str(tmp_path / "ids.txt")
+    assert main(["decode", "--name", shm_name, "--semantic", ids, "--global", ids, "-o", "x.wav"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no bicodec-shm server is running" in err
+
+
+# -- stats --watch ------------------------------------------------------------------------------
+
+
+def test_stats_watch_prints_per_interval_rates(thread_server, shm_name, monkeypatch, capsys):
+    """Interval 1 sees 4 decodes of 50 tokens (4 s of audio), interval 2 none; then Ctrl-C."""
+    thread_server()
+    intervals = iter([4, 0])
+
+    def between_samples(seconds):
+        n = next(intervals, None)
+        if n is None:
+            raise KeyboardInterrupt
+        with DecoderClient(shm_name) as client:
+            for _ in range(n):
+                client.decode(list(range(50)), list(range(32)))
+
+    monkeypatch.setattr(cli, "_sleep", between_samples)
+    with DecoderClient(shm_name) as client:  # a request before the watch: not in any interval
+        client.decode(list(range(10)), list(range(32)))
+    assert main(["stats", shm_name, "--watch", "0.5", "--json"]) == 130
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert first["interval"]["requests"] == 4 and first["totals"]["requests"] == 5
+    seconds = first["interval"]["seconds"]
+    assert first["interval"]["audio_s_per_s"] * seconds == pytest.approx(4.0)
+    assert first["interval"]["requests_per_s"] * seconds == pytest.approx(4.0)
+    assert first["interval"]["avg_batch_size"] >= 1.0
+    assert second["interval"]["requests"] == 0 and second["interval"]["audio_s_per_s"] == 0.0
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", first["time"])
+
+    intervals = iter([2])
+    assert main(["stats", shm_name, "--watch", "0.5"]) == 130
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("segment") and "requests" in lines[3]  # the totals table first
+    header = next(i for i, line in enumerate(lines) if line.startswith("time"))
+    assert lines[header].split()[:4] == ["time", "req/s", "batch/s", "audio"]
+    (row,) = lines[header + 1 :]
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", row)
+    assert row.split()[-2:] == ["7", "alive"]  # totals since start: 1 + 4 + 2 requests
+
+
+def test_stats_watch_piped_into_head_ends_quietly(thread_server, shm_name):
+    thread_server()
+    proc = subprocess.Popen([sys.executable, "-m", "bicodec_shm", "stats", shm_name, "--watch", "0.02"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines = [proc.stdout.readline() for _ in range(15)]  # what `head -n 15` reads, then it exits
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=30)
+    assert lines[0].startswith("segment") and lines[-1].strip().endswith("alive")
+    assert proc.returncode == 1
+    assert err == ""
+
+
+# -- serve --mode -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["777", "0o666", "0o604"])
+def test_world_access_is_refused_without_the_flag(shm_name, capsys, mode):
+    assert main(["serve", "--preset", "tiny", "--name", shm_name, "--mode", mode]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lets every user of this host attach" in err
+    assert "--allow-world-access" in err
+    assert leftover_objects(shm_name) == []
+
+
+def test_world_access_with_the_flag_warns_and_applies_the_mode(shm_name, capsys):
+    seen = {}
+
+    def drive():
+        try:
+            wait_until_serving(shm_name, timeout=60)
+            seen["mode"] = os.stat(f"/dev/shm/{shm_name}").st_mode & 0o777
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=drive)
+    t.start()
+    rc = main(["serve", "--preset", "tiny", "--name", shm_name, "--slots", "2", "--threads", "1",
+               "--mode", "0o604", "--allow-world-access"])  # fmt: skip
+    t.join(30)
+    assert rc == 0 and seen["mode"] == 0o604
+    assert "warning: --mode 0o604 lets every user of this host attach" in capsys.readouterr().err
+
+
+def test_stats_watch_survives_a_server_restart(thread_server, shm_name, monkeypatch, capsys):
+    first = thread_server()
+    with DecoderClient(shm_name) as client:
+        for _ in range(3):
+            client.decode(list(range(20)), list(range(32)))
+    steps = iter(["stop", "restart"])
+
+    def between_samples(seconds):
+        step = next(steps, None)
+        if step == "stop":
+            first.stop()
+            deadline = time.monotonic() + 20
+            while leftover_objects(shm_name) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif step == "restart":
+            thread_server()
+            with DecoderClient(shm_name) as client:
+                client.decode(list(range(20)), list(range(32)))
+        else:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_sleep", between_samples)
+    assert main(["stats", shm_name, "--watch", "1"]) == 130
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("time"))
+    gone, note, row = lines[header + 1 :]
+    assert gone.endswith(f"no segment named {shm_name!r} (stopped?)")
+    assert "new server" in note and "rates from its start" in note
+    assert row.split()[-2:] == ["1", "alive"]  # the new server's total, not 3 + 1, nor -2
+    assert float(row.split()[2]) > 0  # req/s of the interval: the new server's one request

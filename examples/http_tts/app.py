@@ -21,9 +21,9 @@ Errors are JSON ``{"error": message}``: 422 for bad input (the library's ``Value
 malformed JSON, missing or unknown fields), 413 for a body over ``MAX_BODY_BYTES``, 503 with
 ``Retry-After`` while no decoder server serves (at once for a new request; one in flight when the
 decoder dies is resubmitted to its replacement until its deadline), 504 when a decode misses its
-deadline (waiting for a free slot at the decoder included). A stream whose decode fails after its header was sent is cut
-off (no final chunk), so a client sees a truncated transfer, never a short file that looks
-complete.
+deadline (waiting for a free slot at the decoder included). A stream whose decode fails after its
+header was sent is cut off (no final chunk), so a client sees a truncated transfer, never a short
+file that looks complete.
 
 Settings, from the environment (read once per worker):
 

@@ -83,6 +83,7 @@ class Attachment:
         self.idle: list[int] = []  # owned, not in use; the last one is the warmest
         self.in_use = 0
         self.claiming = 0
+        self.claim_lock = threading.Lock()
         self.generation: dict[int, int] = {}
         self.async_slot_waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self.pending: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -204,9 +205,14 @@ class Attachment:
             )
 
     def _claim_or_none(self) -> int | None:
-        """Claim one FREE slot of the segment (lock first, then re-check); None if none."""
+        """Claim one FREE slot of the segment (lock first, then re-check); None if none.
+
+        One thread at a time: the slot locks exclude other processes (other open file
+        descriptions), not the threads that share ours. A second thread would "take" a lock we
+        already hold, and its unlock would drop ours.
+        """
         try:
-            with self.use() as seg:
+            with self.claim_lock, self.use() as seg:
                 states = seg.field["state"]
                 free = np.flatnonzero(states == FREE)  # a hint: the lock decides
                 if len(free):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -51,20 +53,25 @@ def serve_command(name: str, *extra: str) -> list[str]:
 def start_server(shm_name: str) -> Iterator[Callable[..., subprocess.Popen]]:
     """Start ``bicodec-shm serve --preset tiny`` under ``shm_name``; stopped afterwards."""
     procs: list[subprocess.Popen] = []
+    # The servers' logs go to a file: a pipe nobody reads fills up and blocks the server.
+    log = tempfile.TemporaryFile()
 
-    def start(*extra: str, wait: bool = True) -> subprocess.Popen:
-        proc = subprocess.Popen(serve_command(shm_name, *extra), cwd=ROOT,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    def start(*extra: str, wait: bool = True, name: str = shm_name) -> subprocess.Popen:
+        proc = subprocess.Popen(serve_command(name, *extra), cwd=ROOT, stderr=log)
         procs.append(proc)
         if wait:
-            wait_until_serving(shm_name, proc=proc)
+            wait_until_serving(name, proc=proc)
         return proc
 
     yield start
     for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGCONT)  # a test may have left it stopped
+            except ProcessLookupError:
+                pass
         processes.stop_server(proc, timeout=20)
-        if proc.stderr is not None:
-            proc.stderr.close()
+    log.close()
 
 
 @pytest.fixture

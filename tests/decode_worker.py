@@ -1,6 +1,6 @@
 """A client process for multi-process tests: decode random requests, save them with results.
 
-Usage: python decode_worker.py NAME SEED N_REQUESTS OUT.npz [--async N] [--slots K]
+Usage: python decode_worker.py NAME SEED N_REQUESTS OUT.npz [--concurrent N] [--slots K] [--max-len T]
 
 Writes every request's tokens and PCM to OUT.npz (as ``sem_i``, ``glb_i``, ``pcm_i``) and exits
 0 on success. Imports no torch, as a real TTS worker would not.
@@ -26,9 +26,11 @@ def main() -> int:
     p.add_argument("--dtype", default="int16")
     p.add_argument("--concurrent", type=int, default=1, help="asyncio requests in flight")
     p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=60, help="longest request in tokens")
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
-    reqs = [(rng.integers(0, 8192, int(rng.integers(5, 61))), rng.integers(0, 4096, 32))
+    lo = min(5, args.max_len)
+    reqs = [(rng.integers(0, 8192, int(rng.integers(lo, args.max_len + 1))), rng.integers(0, 4096, 32))
             for _ in range(args.n)]  # fmt: skip
     with DecoderClient(args.name, slots=args.slots, connect_timeout=60, timeout=120) as client:
         if args.concurrent > 1:

@@ -228,3 +228,107 @@ def test_client_side_imports_no_torch():
             "import bicodec_shm.cli, bicodec_shm.client, bicodec_shm.compat; "
             "assert 'torch' not in sys.modules, 'torch was imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_stale_done_post_is_never_taken_for_the_answer(thread_server, shm_name):
+    """Finding 12: every post carries a sequence number the reader checks after taking it."""
+    import time
+
+    from support import reference_model
+
+    class Gated:
+        def __init__(self):
+            self.model = reference_model()
+            self.device, self.config = self.model.device, self.model.config
+            self.gate = threading.Event()
+
+        def detokenize(self, *args):
+            self.gate.wait(30)
+            return self.model.detokenize(*args)
+
+    decoder = Gated()
+    thread_server(decoder, lanes=1)
+    sem, glb = np.arange(40) * 11, np.arange(32) * 3
+    with DecoderClient(shm_name, slots=1) as client:
+        result = []
+        t = threading.Thread(target=lambda: result.append(client.decode(sem, glb, dtype="float32")))
+        t.start()
+        time.sleep(0.3)
+        (slot,) = client._att.owned
+        client._att.segment.done(slot).release()  # a stray post, as a timed-out request leaves
+        time.sleep(0.3)
+        assert t.is_alive() and not result  # not fooled into reading a result that is not there
+        decoder.gate.set()
+        t.join(30)
+    np.testing.assert_allclose(result[0], single_decode(sem, glb), atol=1e-5, rtol=0)
+
+
+def test_slots_are_claimed_on_demand_and_given_back_when_quiescent(thread_server, shm_name):
+    """Finding 13: no slot at attach, one per concurrent request, one kept when idle."""
+    server = thread_server(slots=8)
+    seg = server.segment
+    with DecoderClient(shm_name, slots=4) as client:
+        assert (seg.slots["state"] == SlotState.FREE).all()
+        rng = np.random.default_rng(9)
+        reqs = [(rng.integers(0, 8192, 30), rng.integers(0, 4096, 32)) for _ in range(4)]
+
+        async def burst():
+            return await asyncio.gather(*(client.decode_async(s, g) for s, g in reqs))
+
+        for (s, g), pcm in zip(reqs, asyncio.run(burst())):
+            assert np.abs(pcm.astype(np.int32) - seed_int16(single_decode(s, g))).max() <= 1
+        assert len(client._att.owned) == 1  # the others went back once it was quiescent
+        assert int((seg.slots["state"] != SlotState.FREE).sum()) == 1
+        # Eight handles of eight slots each still fit on an eight-slot server.
+        others = [DecoderClient(shm_name, slots=8) for _ in range(7)]
+        try:
+            for other in others:
+                assert other.decode([1, 2], GLB).shape == (2 * HOP,)
+        finally:
+            for other in others:
+                other.close()
+
+
+def test_threads_of_one_handle_never_claim_the_same_slot(thread_server, shm_name, monkeypatch):
+    """Slot locks exclude processes, not threads sharing a descriptor: claims are serialised."""
+    import time
+
+    from support import reference_model
+
+    class Gated:
+        def __init__(self):
+            self.model = reference_model()
+            self.device, self.config = self.model.device, self.model.config
+            self.gate = threading.Event()
+
+        def detokenize(self, *args):
+            self.gate.wait(30)
+            return self.model.detokenize(*args)
+
+    decoder = Gated()
+    server = thread_server(decoder, lanes=1, slots=8)
+    # Every claimer starts its scan at the same slot: collisions are the rule, not luck.
+    monkeypatch.setattr("bicodec_shm.attachment.random.randrange", lambda n: 0)
+    rng = np.random.default_rng(12)
+    reqs = [(rng.integers(0, 8192, 9), rng.integers(0, 4096, 32)) for _ in range(8)]
+    results = [None] * 8
+    with DecoderClient(shm_name, slots=8) as client:
+        barrier = threading.Barrier(8)
+
+        def run(i):
+            barrier.wait()
+            results[i] = client.decode(*reqs[i], dtype="float32")
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        seg = server.segment
+        assert len(client._att.owned) == 8  # eight distinct slots for eight requests in flight
+        assert int((seg.slots["state"] != SlotState.FREE).sum()) == 8
+        assert all(seg.slot_owned_elsewhere(slot) for slot in range(8))  # no lock dropped
+        decoder.gate.set()
+        for t in threads:
+            t.join(30)
+    for (s, g), pcm in zip(reqs, results):
+        np.testing.assert_allclose(pcm, single_decode(s, g), atol=1e-5, rtol=0)

@@ -304,3 +304,48 @@ def test_max_wait_window_grows_the_batch_without_spinning(thread_server, shm_nam
     assert cpu < 0.4, f"the server spun: {cpu:.2f} s CPU in {wall:.2f} s"
     for (sem, glb), pcm in zip(reqs, results):
         np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
+
+
+def test_a_ready_slot_is_read_only_after_its_own_req_post(thread_server, shm_name):
+    """Finding 12: the doorbell alone never makes the server read a slot (aarch64 ordering)."""
+    server = thread_server()
+    rogue = _Rogue(shm_name)
+    try:
+        s, i = rogue.seg.slots, rogue.slot
+        rogue.seg.tokens[i, :10] = 5
+        rogue.seg.globals[i] = 5
+        for k, v in dict(n_tokens=10, n_global=32, dtype=0, notify=NO_BELL, status=0,
+                         req_generation=int(s["generation"][i]), request_seq=9).items():  # fmt: skip
+            s[k][i] = v
+        s["state"][i] = SlotState.READY
+        rogue.seg.ready.release()  # the wake-up, but not req.I
+        time.sleep(0.5)
+        assert s["state"][i] == SlotState.READY  # untouched
+        rogue.seg.req(i).release()
+        rogue.seg.done(i).acquire(10)
+        assert s["state"][i] == SlotState.DONE and int(s["status"][i]) == Status.OK
+        assert stats_from_header(server.segment.header)["requests"] == 1
+    finally:
+        rogue.close()
+
+
+def test_the_models_output_is_never_changed_in_place(thread_server, shm_name):
+    """Finding 14: the int16 conversion works on a tensor of the server's own."""
+
+    class Fixed:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.out = torch.linspace(-2.0, 2.0, 320 * 4).repeat(1, 1)
+            self.kept = self.out.clone()
+
+        def detokenize(self, s, g, n):
+            return self.out[:, : 320 * s.shape[1]]
+
+    decoder = Fixed()
+    thread_server(decoder)
+    with DecoderClient(shm_name) as client:
+        pcm = client.decode([1, 2, 3, 4], [0] * 32)
+    assert torch.equal(decoder.out, decoder.kept)
+    expected = (np.clip(decoder.kept.numpy()[0], -1, 1) * 32767).astype(np.int16)
+    assert np.array_equal(pcm, expected)

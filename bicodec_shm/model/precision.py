@@ -15,6 +15,8 @@ dtype, returning the input's dtype:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -57,3 +59,14 @@ def apply_dtype(model: nn.Module, dtype: str | torch.dtype | None) -> nn.Module:
         if getattr(module, "keep_float32", False):
             module.float()
     return model
+
+
+def snr_db(audio: torch.Tensor, reference: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``audio`` against ``reference`` (same shape), in dB:
+    ``10·log10(Σ ref² / Σ (audio - ref)²)``; ``inf`` when they are equal."""
+    if audio.shape != reference.shape:
+        raise ValueError(f"shapes differ: {tuple(audio.shape)} vs {tuple(reference.shape)}")
+    ref = reference.double()
+    noise = (audio.double() - ref).pow(2).sum().item()
+    signal = ref.pow(2).sum().item()
+    return float("inf") if noise == 0 else 10.0 * math.log10(signal / noise)

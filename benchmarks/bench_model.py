@@ -356,7 +356,8 @@ def _dtypes(text: str) -> tuple[str, ...]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark (``benchmarks/device_check.sh`` passes it flags)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="25 tokens, B in {1, 2}, 1 repeat")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per config")
@@ -378,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the device's peak for %% peak when it is not in the table")  # fmt: skip
     parser.add_argument("--preset", default="spark-tts-0.5b", choices=("spark-tts-0.5b", "tiny"))
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

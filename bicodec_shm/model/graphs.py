@@ -20,6 +20,7 @@ graph, and every decode when CUDA is not in use, run eagerly on the wrapped deco
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from .buckets import Bucket, BucketGrid
+from .config import BiCodecConfig
 from .decoder import BiCodecDecoder, IdsLike, _check_inputs
 from .modules import TimeMask
 
@@ -194,7 +196,7 @@ class GraphedDecoder:
         self.skipped: list[Bucket] = []  # over the memory budget: these shapes run eagerly
         self.graph_bytes = 0  # device memory the graphs and their buffers hold, measured
         self.capture_seconds = 0.0
-        with torch.inference_mode():
+        with torch.inference_mode(), _on(decoder.device):
             if self.mode == "padded":
                 self.buckets = {k: StaticBucket(decoder, k) for k in self.grid.buckets()}
             elif self.mode == "graphs":
@@ -202,14 +204,17 @@ class GraphedDecoder:
 
     @property
     def device(self) -> torch.device:
+        """The wrapped decoder's device (the server sends batches there)."""
         return self.decoder.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The wrapped decoder's compute dtype."""
         return self.decoder.dtype
 
     @property
-    def config(self):  # -> BiCodecConfig
+    def config(self) -> BiCodecConfig:
+        """The wrapped decoder's config."""
         return self.decoder.config
 
     @torch.inference_mode()
@@ -240,9 +245,10 @@ class GraphedDecoder:
             return self.decoder.detokenize(semantic, glob, lens, mask=mask)
         if lens is None:
             lens = torch.full((batch,), frames, dtype=torch.long, device=semantic.device)
-        static.load(semantic, glob, lens)
-        # Cloned: the next replay overwrites the graph's output buffer.
-        return static.run()[:batch, : self.config.hop_length * frames].clone()
+        with _on(self.device):  # events, copies and the replay on the model's GPU's stream
+            static.load(semantic, glob, lens)
+            # Cloned: the next replay overwrites the graph's output buffer.
+            return static.run()[:batch, : self.config.hop_length * frames].clone()
 
     def _capture_all(self, warmup: int) -> None:
         """Capture every bucket, largest first, into one pool, within the memory budget."""
@@ -298,6 +304,11 @@ class GraphedDecoder:
         return (f"<GraphedDecoder mode={self.mode} device={self.device} dtype={self.dtype} "
                 f"graphs={len(self.buckets) if self.mode == 'graphs' else 0}/{len(self.grid)} "
                 f"{self.graph_bytes / 2**20:.0f} MiB>")  # fmt: skip
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current CUDA device (streams and events are per device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _fill(buffers: Sequence[torch.Tensor], batch: Sequence[torch.Tensor]) -> None:

@@ -375,9 +375,10 @@ def test_cuda_graph_memory_budget(full_cuda, caplog, record_property) -> None:
     assert len(every.buckets) == len(GPU_GRID) and every.graph_bytes > 0
     assert "captured" in caplog.text
     record_property("graph_mib_4_buckets_float32", round(every.graph_bytes / 2**20, 1))
-    # Half of what the largest bucket alone takes: that one is skipped, smaller ones may fit.
-    first = GraphedDecoder(full_cuda, grid=BucketGrid((4,), (50,)), memory_gib=64, mode="graphs")
-    half = 0.5 * first.graph_bytes / 2**30
-    some = GraphedDecoder(full_cuda, grid=GPU_GRID, memory_gib=half, mode="graphs")
+    # Half of what the largest bucket's activations take: that one is skipped, smaller ones may
+    # fit; every bucket is either captured or skipped.
+    need = every.activation_bytes[Bucket(4, 50)]
+    some = GraphedDecoder(full_cuda, grid=GPU_GRID, memory_gib=0.5 * need / 2**30, mode="graphs")
     assert Bucket(4, 50) in some.skipped and Bucket(4, 50) not in some.buckets
-    record_property("graph_mib_4x50_float32", round(first.graph_bytes / 2**20, 1))
+    assert sorted(some.skipped + list(some.buckets)) == sorted(GPU_GRID.buckets())
+    record_property("activation_mib_4x50_float32", round(need / 2**20, 1))

@@ -195,6 +195,7 @@ class GraphedDecoder:
         self.buckets: dict[Bucket, StaticBucket] = {}
         self.skipped: list[Bucket] = []  # over the memory budget: these shapes run eagerly
         self.graph_bytes = 0  # device memory the graphs and their buffers hold, measured
+        self.activation_bytes: dict[Bucket, int] = {}  # each bucket's eager peak, measured
         self.capture_seconds = 0.0
         with torch.inference_mode(), _on(decoder.device):
             if self.mode == "padded":
@@ -268,7 +269,7 @@ class GraphedDecoder:
             t0 = time.perf_counter()
             try:
                 static = StaticBucket(self.decoder, bucket)
-                need = static.warm_up(warmup)
+                need = self.activation_bytes[bucket] = static.warm_up(warmup)
                 # The pool keeps what earlier (larger) captures freed, so a bucket adds only
                 # the part of its activations beyond that, and its static buffers.
                 estimate = max(0, need - pool_need) + static.static_bytes

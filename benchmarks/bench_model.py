@@ -192,6 +192,7 @@ def bench_model(
                     **row, "tflops": tflops, "peak_tflops": peak,
                     "peak_pct": 100 * tflops / peak if peak else None,
                     "graph_mib": decoder.graph_bytes / 2**20 if graphed else None,
+                    "graph_capture_s": decoder.capture_seconds if graphed else None,
                 })  # fmt: skip
                 bar.update()
             del decoder

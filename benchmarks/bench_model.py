@@ -156,9 +156,14 @@ def bench_model(
     gflop: float | None = None,
     peak_override: float | None = None,
     models: dict[str, BiCodecDecoder] | None = None,
+    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Time every (dtype, graphs, length, batch) with masking on (and off); one dict each."""
+    """Time every (dtype, length, batch, graphs) with masking on (and off); one dict each.
+
+    Shapes run smallest first, eager and graphs side by side, and ``on_row(rows)`` is called
+    after each row, so that a run cut short still has the small shapes of both.
+    """
     dev = resolve_device(device)
     models = models or build_models(preset, dev, dtypes)
     gflop = gflop or gflop_per_token(models[dtypes[0]])
@@ -170,17 +175,18 @@ def bench_model(
         semantic = torch.randint(0, 8192, (batch, frames), generator=gen)
         glob = torch.randint(0, 4096, (batch, 32), generator=gen)
         inputs[frames, batch] = semantic, glob, torch.tensor(spread_lengths(batch, frames))
-    rows = []
+    rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(pairs) * len(dtypes) * len(graphs), desc="bench_model", file=sys.stderr,
                disable=not progress)  # fmt: skip
     for name in dtypes:
-        for graphed in graphs:
-            decoder: BiCodecDecoder | GraphedDecoder = models[name]
-            if graphed:  # one bucket per benchmarked shape: no padding, only the graph differs
-                bar.set_postfix_str(f"capturing {name} graphs")
-                decoder = GraphedDecoder(decoder, grid=BucketGrid(batch_sizes, lengths),
-                                         memory_gib=graph_memory_gib, mode="graphs")  # fmt: skip
-            for frames, batch in pairs:
+        decoders: dict[bool, BiCodecDecoder | GraphedDecoder] = {False: models[name]}
+        if True in graphs:  # one bucket per benchmarked shape: no padding, only the graph differs
+            bar.set_postfix_str(f"capturing {name} graphs")
+            decoders[True] = GraphedDecoder(models[name], grid=BucketGrid(batch_sizes, lengths),
+                                            memory_gib=graph_memory_gib, mode="graphs")  # fmt: skip
+        for frames, batch in pairs:
+            for graphed in graphs:
+                decoder = decoders[graphed]
                 bar.set_postfix_str(f"{name} graphs={'on' if graphed else 'off'} B={batch} T={frames}")
                 row = _bench_one(decoder, inputs[frames, batch], timed, repeats=repeats,
                                  mask_ab=mask_ab and not graphed, time_masks=dev.type == "cpu")  # fmt: skip
@@ -194,12 +200,14 @@ def bench_model(
                     "graph_mib": decoder.graph_bytes / 2**20 if graphed else None,
                     "graph_capture_s": decoder.capture_seconds if graphed else None,
                 })  # fmt: skip
+                _derive(rows)
+                if on_row:
+                    on_row(rows)
                 bar.update()
-            del decoder
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+        del decoders
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     bar.close()
-    _derive(rows)
     return rows
 
 
@@ -407,18 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     gflop = gflop_per_token(flops_model, frames=min(lengths))
     print(f"counted {gflop:.4f} GFLOP per token at T={min(lengths)} "
           f"(expected ~{GFLOP_PER_TOKEN_EXPECTED} at full size)", file=sys.stderr)  # fmt: skip
-    rows = bench_model(
-        batch_sizes=batch_sizes, lengths=lengths, repeats=repeats, device=args.device,
-        dtypes=args.dtype, graphs=graphs, mask_ab=not args.no_mask_ab,
-        graph_memory_gib=args.graph_memory_gib, gflop=gflop, peak_override=args.peak_tflops,
-        models=models, progress=not args.no_progress,
-    )  # fmt: skip
-    print(format_table(rows))
-    quality = []
-    if not args.no_quality:
-        quality = bench_quality(models, lengths=quality_lengths, graphs=any(graphs))
-        print()
-        print(format_quality(quality))
     meta = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -436,7 +432,24 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": os.getloadavg(),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "results": rows, "quality": quality}, indent=2))
+
+    def write(rows: list[dict[str, Any]], quality: list[dict[str, Any]]) -> None:
+        # Rewritten after every row: a run cut short by a timeout keeps what it measured.
+        args.json.write_text(json.dumps({"meta": meta, "results": rows, "quality": quality}, indent=2))
+
+    rows = bench_model(
+        batch_sizes=batch_sizes, lengths=lengths, repeats=repeats, device=args.device,
+        dtypes=args.dtype, graphs=graphs, mask_ab=not args.no_mask_ab,
+        graph_memory_gib=args.graph_memory_gib, gflop=gflop, peak_override=args.peak_tflops,
+        models=models, on_row=lambda rows: write(rows, []), progress=not args.no_progress,
+    )  # fmt: skip
+    print(format_table(rows), flush=True)
+    quality = []
+    if not args.no_quality:
+        quality = bench_quality(models, lengths=quality_lengths, graphs=any(graphs))
+        print()
+        print(format_quality(quality))
+    write(rows, quality)
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -8,10 +8,12 @@
 # (DEADLINE_S), so one hung step cannot eat the budget:
 #   env          GPU name, memory, driver (nvidia-smi); torch, CUDA, cuDNN versions -> env.txt, env.json
 #   gpu_tests    pytest -m gpu: float32 exact batched vs lone (TF32 off), bfloat16/float16 vs
-#                float32 SNR, graphs vs eager byte for byte -> gpu_tests.txt/.xml, gpu_measurements.json
+#                float32 SNR, graphs vs eager byte for byte -> gpu_tests.log/.xml, gpu_measurements.json
 #   bench_model_<dtype>  benchmarks/bench_model.py on cuda:0: B 1-32 x T 25-300, graphs off and on,
-#                TFLOPS and % of peak, SNR vs float32, batched vs lone -> bench_model_<dtype>.txt/.json
+#                TFLOPS and % of peak, SNR vs float32, batched vs lone -> bench_model_<dtype>.log/.json
+#                (the JSON is rewritten after every shape, so a step cut short keeps its small shapes)
 #   bench_throughput     python -m bicodec_shm bench --device cuda:0, N = 1, 4, 16, 32 (BENCH_FLAGS)
+#                -> bench_throughput.log/.json
 #   summary.txt  each step's exit code and seconds, then the numbers the targets ask for
 #
 # Assumes a bare machine with a CUDA build of torch importable by $PYTHON (default python3) and no
@@ -102,13 +104,18 @@ if [ -n "$missing" ] && [ -n "${DEVICE_CHECK_DRY_RUN:-}" ]; then
 elif [ -n "$missing" ]; then
     say "missing modules: $missing; installing into a venv that sees the system torch"
     VENV="${VENV:-/tmp/bicodec-shm-device-venv}"
-    "$PY" -m venv --system-site-packages "$VENV"
-    PY="$VENV/bin/python"
+    user=""
+    if timeout 60 "$PY" -m venv --system-site-packages "$VENV"; then
+        PY="$VENV/bin/python"
+    else
+        say "no venv module; installing with pip --user instead"
+        user="--user"
+    fi
     pkgs="numpy posix_ipc safetensors PyYAML tqdm psutil pytest pytest-timeout"
     if [ -n "${WHEELS:-}" ]; then
-        run_step deps 90 "$PY" -m pip install --no-index --find-links "$WHEELS" $pkgs
+        run_step deps 90 "$PY" -m pip install $user --no-index --find-links "$WHEELS" $pkgs
     else
-        run_step deps 90 "$PY" -m pip install $pkgs
+        run_step deps 90 "$PY" -m pip install $user $pkgs
     fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -138,7 +145,6 @@ cat "$OUT_DIR/env.log" >>"$OUT_DIR/env.txt"
 # --- the GPU-marked tests -----------------------------------------------------------------------
 run_step gpu_tests 150 "$PY" -m pytest -m gpu tests/test_precision.py tests/test_graphs.py -v -rA \
     -p no:cacheprovider -o junit_family=xunit1 --junitxml="$OUT_DIR/gpu_tests.xml"
-cp "$OUT_DIR/gpu_tests.log" "$OUT_DIR/gpu_tests.txt" 2>/dev/null
 
 # --- the decoder: grid x dtypes x graphs; then the whole server -----------------------------
 bench_model() {

@@ -138,6 +138,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype; norms, Snake and audio stay float32 (default float32)")  # fmt: skip
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay CUDA graphs captured over (batch, length) buckets (default off)")  # fmt: skip
+    p.add_argument("--graph-memory-gib", type=float, default=8.0, metavar="GIB",
+                   help="most GPU memory the CUDA graphs may take (default 8)")  # fmt: skip
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -161,22 +167,34 @@ def _octal(text: str) -> int:
 
 
 def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCodecDecoder
-    """Build the decoder the command line asks for (imports torch)."""
+    """Build the decoder the command line asks for (imports torch); a ``GraphedDecoder`` with
+    ``--cuda-graphs``. A device this torch cannot use is a one-line ``ValueError``."""
     import torch
 
     from .model import BiCodecDecoder
+    from .model.devices import resolve_device
+    from .model.graphs import GraphedDecoder
 
+    device = resolve_device(args.device)
+    dtype = getattr(args, "dtype", "float32")
+    graphs = getattr(args, "cuda_graphs", False)
+    if graphs and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a CUDA --device, got {args.device!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model_dir:
-        return BiCodecDecoder.from_pretrained(args.model_dir, device=args.device)
-    if announce:
-        print(
-            f"bicodec-shm: no --model-dir given: serving the {args.preset} architecture with "
-            f"RANDOM weights (seed {args.seed}); the audio is noise",
-            file=sys.stderr,
-        )
-    return BiCodecDecoder.from_config(args.preset, seed=args.seed).to(args.device)
+        decoder = BiCodecDecoder.from_pretrained(args.model_dir, device=device, dtype=dtype)
+    else:
+        if announce:
+            print(
+                f"bicodec-shm: no --model-dir given: serving the {args.preset} architecture with "
+                f"RANDOM weights (seed {args.seed}); the audio is noise",
+                file=sys.stderr,
+            )
+        decoder = BiCodecDecoder.from_config(args.preset, seed=args.seed, dtype=dtype).to(device)
+    if graphs:
+        decoder = GraphedDecoder(decoder, memory_gib=args.graph_memory_gib, mode="graphs")
+    return decoder
 
 
 def _check_mode(mode: int, *, allow_world: bool) -> None:

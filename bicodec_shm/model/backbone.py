@@ -37,7 +37,7 @@ class VocosBackbone(nn.Module):
         self.convnext = nn.ModuleList(
             ConvNeXtBlock(dim, intermediate_dim, condition_dim) for _ in range(num_layers)
         )
-        self.final_layer_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.final_layer_norm = LayerNorm(dim)  # eps 1e-6, float32 in every precision
 
     def forward(
         self, x: torch.Tensor, cond: torch.Tensor | None = None, mask: TimeMask | None = None

@@ -20,6 +20,7 @@ from . import checkpoint
 from .backbone import Prenet
 from .config import BiCodecConfig
 from .modules import AdaLayerNorm, ConvNeXtBlock, Snake1d, TimeMask
+from .precision import apply_dtype
 from .quantizers import SemanticDequantizer, SpeakerDequantizer
 from .wavegen import ResidualUnit, WaveGenerator
 
@@ -56,7 +57,11 @@ class BiCodecDecoder(nn.Module):
 
     @classmethod
     def from_config(
-        cls, cfg: BiCodecConfig | Mapping[str, Any] | str, *, seed: int | None = None
+        cls,
+        cfg: BiCodecConfig | Mapping[str, Any] | str,
+        *,
+        seed: int | None = None,
+        dtype: str | torch.dtype = torch.float32,
     ) -> BiCodecDecoder:
         """A decoder with random weights, for tests and benchmarks.
 
@@ -65,28 +70,42 @@ class BiCodecDecoder(nn.Module):
                 (``"spark-tts-0.5b"``, ``"tiny"``).
             seed: makes the weights identical in every process (same torch version); None draws
                 the seed from torch's global generator.
+            dtype: compute dtype, ``float32`` (default), ``bfloat16`` or ``float16``; the
+                weights are drawn in float32 and then rounded, so every dtype shares one model.
+
+        Raises:
+            ValueError: an unknown preset or dtype.
         """
         model = cls(_as_config(cfg))
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         _random_init(model, torch.Generator().manual_seed(seed))
-        return model.eval()
+        return apply_dtype(model, dtype).eval()
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike[str], device: str | torch.device | None = None
+        cls,
+        path: str | os.PathLike[str],
+        device: str | torch.device | None = None,
+        *,
+        dtype: str | torch.dtype = torch.float32,
     ) -> BiCodecDecoder:
         """Load a ``BiCodec/`` folder (``config.yaml`` + ``model.safetensors``) or a model folder
-        that contains one. Weight norm is folded here, once.
+        that contains one. Weight norm is folded here, once, in float32.
+
+        Args:
+            dtype: compute dtype, ``float32`` (default), ``bfloat16`` or ``float16``; norms,
+                Snake α and the de-quantisers stay float32 (see ``precision.py``).
 
         Raises:
             CheckpointError: a missing file, bad YAML, or decode-path tensors missing or of the
                 wrong shape (all of them are listed).
+            ValueError: an unknown dtype.
         """
         folder = checkpoint.find_folder(path)
         model = cls(checkpoint.read_config(folder / checkpoint.CONFIG_FILE))
         model.load_state_dict(checkpoint.read_state_dict(folder / checkpoint.WEIGHTS_FILE, model))
-        return model.to(device).eval()
+        return apply_dtype(model.to(device), dtype).eval()
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> int:
         """Write ``path/config.yaml`` and ``path/model.safetensors`` (Spark-TTS layout, weight norm
@@ -99,13 +118,13 @@ class BiCodecDecoder(nn.Module):
     def forward(
         self, semantic_ids: torch.Tensor, global_ids: torch.Tensor, mask: TimeMask | None = None
     ) -> torch.Tensor:
-        """semantic_ids (B, T) int64, global_ids (B, 32) int64 -> audio (B, 1, hop·T).
+        """semantic_ids (B, T) int64, global_ids (B, 32) int64 -> float32 audio (B, 1, hop·T).
 
         No input checks: use :meth:`detokenize`.
         """
-        z = self.quantizer(semantic_ids)  # (B, C, T)
-        d = self.speaker_encoder(global_ids)  # (B, D)
-        x = self.prenet(z, d, mask) + d[:, :, None]
+        z = self.quantizer(semantic_ids).to(self.dtype)  # (B, C, T); float32 -> compute dtype
+        d = self.speaker_encoder(global_ids)  # (B, D), float32 in every precision
+        x = (self.prenet(z, d, mask) + d[:, :, None]).to(self.dtype)
         return self.decoder(x, mask)
 
     @torch.inference_mode()
@@ -149,8 +168,9 @@ class BiCodecDecoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Floating dtype of the weights."""
-        return self.quantizer.codebook.weight.dtype
+        """Compute dtype: that of the convolutions and linear layers (norms, Snake α and the
+        de-quantisers are float32 in every precision)."""
+        return self.decoder.model[0].weight.dtype
 
 
 def _as_config(cfg: BiCodecConfig | Mapping[str, Any] | str) -> BiCodecConfig:

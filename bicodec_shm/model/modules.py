@@ -62,38 +62,54 @@ class WNConvTranspose1d(nn.ConvTranspose1d):
 class Snake1d(nn.Module):
     """Snake activation ``x + sin²(αx) / (α + 1e-9)`` with one learned α per channel.
 
+    α stays float32 in every precision (see ``precision.py``): with a bfloat16 or float16 ``x``,
+    type promotion computes ``sin²(αx)`` and the sum in float32, rounded once on the way out.
+
     Args:
         channels: number of channels C; ``alpha`` has shape (1, C, 1).
     """
+
+    keep_float32 = True
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, T) -> (B, C, T)"""
+        """(B, C, T) -> (B, C, T), in x's dtype"""
         s = torch.sin(self.alpha * x).square_()
-        return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal())
+        return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm over channels, eps 1e-6, taking (and ignoring) a condition like AdaLayerNorm."""
+    """LayerNorm over channels, eps 1e-6, taking (and ignoring) a condition like AdaLayerNorm.
+
+    Statistics and affine are float32 in every precision; the result has x's dtype.
+    """
+
+    keep_float32 = True
 
     def __init__(self, dim: int) -> None:
         super().__init__(dim, eps=1e-6)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, C) -> (B, T, C)"""
-        return super().forward(x)
+        y = F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps)
+        return y.to(x.dtype)
 
 
 class AdaLayerNorm(nn.Module):
     """LayerNorm without affine, then a scale and shift predicted from the speaker vector.
 
+    Computed in float32 in every precision (the condition is the float32 speaker vector); the
+    result has x's dtype.
+
     Args:
         condition_dim: size D of the condition vector.
         dim: channels C to normalise.
     """
+
+    keep_float32 = True
 
     def __init__(self, condition_dim: int, dim: int) -> None:
         super().__init__()
@@ -105,8 +121,9 @@ class AdaLayerNorm(nn.Module):
         """x (B, T, C) and cond (B, D) -> (B, T, C)"""
         if cond is None:
             raise ValueError("AdaLayerNorm needs a condition vector")
-        x = F.layer_norm(x, (self.dim,), eps=1e-6)
-        return torch.addcmul(self.shift(cond)[:, None, :], x, self.scale(cond)[:, None, :])
+        y = F.layer_norm(x.float(), (self.dim,), eps=1e-6)
+        y = torch.addcmul(self.shift(cond)[:, None, :], y, self.scale(cond)[:, None, :])
+        return y.to(x.dtype)
 
 
 class ConvNeXtBlock(nn.Module):

@@ -23,6 +23,8 @@ class SemanticDequantizer(nn.Module):
         cfg: the ``quantizer`` section of the config.
     """
 
+    keep_float32 = True  # a few FLOPs per token; see precision.py
+
     def __init__(self, cfg: QuantizerConfig) -> None:
         super().__init__()
         self.codebook = nn.Embedding(cfg.codebook_size, cfg.codebook_dim)
@@ -75,6 +77,8 @@ class SpeakerDequantizer(nn.Module):
     Args:
         cfg: the ``speaker_encoder`` section of the config.
     """
+
+    keep_float32 = True  # one vector per utterance that conditions every AdaLayerNorm
 
     def __init__(self, cfg: SpeakerEncoderConfig) -> None:
         super().__init__()

@@ -81,20 +81,23 @@ class WaveGenerator(nn.Module):
             for i, (k, s) in enumerate(zip(cfg.kernel_sizes, cfg.rates, strict=True))
         ]
         out_dim = ch // 2 ** len(blocks)
+        conv_out = WNConv1d(out_dim, 1, kernel_size=7, padding=3)
+        conv_out.keep_float32 = True  # 96 -> 1 channel, < 0.1 % of the FLOPs; see precision.py
         self.model = nn.Sequential(
             WNConv1d(cfg.input_channel, ch, kernel_size=7, padding=3),
             *blocks,
             Snake1d(out_dim),
-            WNConv1d(out_dim, 1, kernel_size=7, padding=3),
+            conv_out,
             nn.Tanh(),
         )
         # Time resolutions (upsampling so far) at which convolutions run: 1, 8, 40, 160, 320.
         self.time_factors = tuple(math.prod(cfg.rates[:i]) for i in range(len(cfg.rates) + 1))
 
     def forward(self, x: torch.Tensor, mask: TimeMask | None = None) -> torch.Tensor:
-        """(B, C_in, T) -> (B, 1, hop·T), in (-1, 1)"""
+        """(B, C_in, T) -> (B, 1, hop·T), in (-1, 1), in the output conv's dtype (float32)"""
         conv_in, *blocks, snake, conv_out, tanh = self.model
         x = conv_in(masked(x, mask))
         for block in blocks:
             x = block(x, mask)
-        return tanh(conv_out(masked(snake(x), mask)))
+        x = snake(x.to(conv_out.weight.dtype))  # the last Snake and conv run in float32
+        return tanh(conv_out(masked(x, mask)))

@@ -59,7 +59,7 @@ import numpy as np
 import posix_ipc
 from tqdm import tqdm
 
-from bicodec_shm.bench import environment  # the same machine record as bench_throughput
+from bicodec_shm.bench.sampling import environment  # the same machine record as bench_throughput
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import SegmentError, ServerUnavailableError
 from bicodec_shm.transport import leftover_objects, random_name, read_header, unlink_all

@@ -7,7 +7,7 @@ per system and N: audio seconds per wall second, requests per second, p50/p99 la
 batch size and peak summed RSS, with ratios against the limit and the per-process decoders.
 ``--sweep`` tunes ``max_wait_ms`` x ``max_batch_tokens`` instead.
 
-The implementation is ``bicodec_shm/bench.py`` (also ``bicodec-shm bench``), so that it works
+The implementation is the package ``bicodec_shm/bench/`` (also ``bicodec-shm bench``), so that it works
 from a fresh install without this folder; this script only puts its outputs in benchmarks/out/.
 
     python benchmarks/bench_throughput.py            # full size model, ~20-25 min on 2 cores

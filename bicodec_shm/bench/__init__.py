@@ -2,12 +2,13 @@
 
 One module per concern (the command line's help, ``cli.py``, says what is measured):
 
-- ``workload``: request lengths drawn from a mix, the random ids, requests per client;
+- ``workload``: each client's endless stream of request lengths and ids, drawn from a mix;
+- ``standin``: the device-shaped stand-in decoder and the ideal batcher it is measured against;
 - ``config``: system names, defaults, the issue's targets, ``Policy`` and ``Setup``;
 - ``workers``: the child processes of every system (servers, clients, the no-IPC limit);
 - ``sampling``: RSS and CPU sampling of those processes, and the machine record;
-- ``systems``: the parent's side of each system, ``bench_all`` and ``bench_sweep``;
-- ``report``: ratios between systems, targets, the text tables;
+- ``systems``: the parent's side of each system (the window), ``bench_all``, ``bench_sweep``;
+- ``report``: medians over repeats, ratios per repeat, the targets, the text tables;
 - ``plot``: the PNG (needs matplotlib, the ``[plot]`` extra);
 - ``cli``: the options, ``run_and_report`` and ``main``.
 """

@@ -1,15 +1,29 @@
-"""The parent's side of each system: start its processes, release them together, sample
-them, stop them; and the orchestration over N (``bench_all``) or a policy grid (``bench_sweep``)."""
+"""The parent's side of each system: start its processes, release them together, sample them
+for one window, stop them; and the orchestration over N and repeats (``bench_all``) or over a
+policy grid (``bench_sweep``).
+
+The window: the parent sets a shared deadline (perf_counter, one clock for every process on
+Linux) to t0 + window and releases every process at t0. Clients send requests back to back
+until the deadline; a request sent before it is finished (the server must not be left with
+half a batch), but only requests that *completed* by the deadline count, in throughput,
+latency and batch sizes alike. So the work in flight at the close, at most one request per
+client or one batch per server, is left out: every system loses the same kind of partial
+work, bounded by one request's (or batch's) duration out of the window. The CPU time and the
+memory peak are sampled over the window alone. With ``--requests`` there is no window: every
+request counts and the wall time ends at the last reply.
+"""
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import queue
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +38,7 @@ from ..transport import (
     unlink_all,
 )
 from .config import (
+    IDEAL,
     LIMIT,
     NAME_PREFIX,
     PER_PROCESS,
@@ -34,22 +49,26 @@ from .config import (
     SYSTEMS,
     Policy,
     Setup,
+    ShmVariant,
 )
 from .sampling import _Sampler
+from .standin import ideal_run
 from .workers import (
+    Record,
     _limit_worker,
     _own_decoder_client,
     _queue_client,
     _queue_server,
     _shm_client,
     _shm_server,
+    read_batches,
 )
-from .workload import audio_seconds, draw_lengths
+from .workload import audio_seconds
 
 
 @dataclass
 class RunResult:
-    """One system at one N (absolute numbers; ratios are computed by ``compare``)."""
+    """One system at one N in one repeat (absolute numbers; ratios come from ``compare``)."""
 
     system: str
     n_clients: int
@@ -64,7 +83,7 @@ class RunResult:
     latency_p99_ms: float | None
     avg_batch_size: float
     batch_size_histogram: dict
-    peak_rss_mib: float  # the peak of the sum over processes
+    peak_rss_mib: float | None  # the peak of the sum over processes (None: nothing ran)
     cpu_seconds: float
     others_cpu_share: float | None
     threads: str
@@ -72,7 +91,15 @@ class RunResult:
     largest_process_rss_mib: float = 0.0  # the largest single process's own peak
     padding_overhead: float | None = None  # padded tokens / tokens - 1
     note: str = ""
+    repeat: int = 0
+    window_s: float | None = None  # None: a fixed request count
+    cut_at_edge: int = 0  # requests (the limit: batches) completed after the window, left out
     batches: list = field(default_factory=list, repr=False)  # bicodec-shm's, for the limit
+
+    @property
+    def cpu_per_audio_s(self) -> float | None:
+        """CPU seconds per audio second: the cost of the work, much less noisy than wall time."""
+        return self.cpu_seconds / self.audio_seconds if self.audio_seconds and self.cpu_seconds else None
 
 
 class _Run:
@@ -85,6 +112,8 @@ class _Run:
         self.timeout = timeout
         self.events = ctx.Queue()
         self.start_event = ctx.Event()
+        # Set once, before the start event: the Event orders the store before every read.
+        self.deadline = ctx.RawValue("d", math.inf)
         self.procs: list[Any] = []
         self.queues: list[Any] = [self.events]
 
@@ -100,11 +129,13 @@ class _Run:
         self.queues.append(q)
         return q
 
-    def next_event(self, deadline: float) -> tuple:
-        """The next event from a child; raises if a child failed or nothing came in time."""
+    def next_event(self, deadline: float, *, wake_at: float = math.inf) -> tuple | None:
+        """The next event from a child, or None once perf_counter passes ``wake_at``; raises
+        if a child failed or nothing came before ``deadline`` (time.monotonic)."""
         while True:
+            wait = min(0.5, max(0.0, wake_at - time.perf_counter()))
             try:
-                event = self.events.get(timeout=0.5)
+                event = self.events.get(timeout=wait) if wait > 0 else self.events.get_nowait()
             except queue.Empty:
                 event = None
             if event is not None:
@@ -116,32 +147,49 @@ class _Run:
                     raise RuntimeError(f"child {p.name} exited with code {p.exitcode}")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no event from the children within {self.timeout:.0f} s")
+            if time.perf_counter() >= wake_at:
+                return None
 
-    def measure(self, n_ready: int, n_exits: int) -> tuple[list[tuple], float, float]:
+    def measure(self, n_ready: int, n_exits: int, window: float | None,
+                count: int | None = None) -> tuple[list[Record], float, float]:  # fmt: skip
         """Wait until ``n_ready`` children are ready, release them all at once, and collect
-        ``done`` events until ``n_exits`` have exited. Returns (done events, t0, t_end)."""
+        the records of ``n_exits`` children (``count`` requests each, without a window).
+        Returns (records, t0, t_end): t_end is the window's close, or the last completion."""
         ready = 0
         deadline = time.monotonic() + START_TIMEOUT
         self.bar.set_postfix_str("starting")
         while ready < n_ready:
-            if self.next_event(deadline)[0] == "ready":
+            event = self.next_event(deadline)
+            if event is not None and event[0] == "ready":
                 ready += 1
-        self.bar.set_postfix_str("")
         self.sampler.open()
         t0 = time.perf_counter()
+        close = t0 + window if window is not None else math.inf
+        self.deadline.value = close
         self.start_event.set()
-        done: list[tuple] = []
+        records: list[Record] = []
         exited = 0
+        sampling = True
+        # Children report only at exit: the window, or ``count`` requests, pass in silence.
+        silent = window if window is not None else self.timeout * (count or 1)
+        deadline = time.monotonic() + silent + self.timeout
         while exited < n_exits:
-            event = self.next_event(time.monotonic() + self.timeout)
-            if event[0] == "done":
-                done.append(event)
-                self.bar.update(event[4])
-            elif event[0] == "exit":
+            now = time.perf_counter()
+            if sampling and now >= close:
+                self.sampler.close()  # CPU and memory over the window only
+                sampling = False
+            wake = min(close, now + 1.0) if sampling else math.inf
+            if window is not None:
+                self.bar.set_postfix_str(f"{min(now - t0, window):.0f}/{window:.0f} s")
+            event = self.next_event(deadline, wake_at=wake)
+            if event is not None and event[0] == "exit":
                 exited += 1
-        self.sampler.close()
-        t_end = max((e[5] for e in done), default=time.perf_counter())
-        return done, t0, t_end
+                records += event[2]
+                deadline = time.monotonic() + self.timeout
+        if sampling:
+            self.sampler.close()
+        t_end = close if window is not None else max((r[3] for r in records), default=t0)
+        return records, t0, t_end
 
     def stop(self) -> None:
         """SIGTERM whatever still runs (servers finish their batch and unlink), then SIGKILL."""
@@ -160,13 +208,15 @@ class _Run:
         self.sampler.clear()
 
 
-def _summarize(system: str, n: int, done: list[tuple], t0: float, t_end: float, sampler: _Sampler,
-               *, threads: str, policy: Policy | None, failed: int = 0,
-               latencies: bool = True) -> RunResult:  # fmt: skip
+def _summarize(system: str, n: int, records: list[Record], t0: float, t_end: float,
+               sampler: _Sampler, *, window: float | None, threads: str, policy: Policy | None,
+               failed: int = 0, latencies: bool = True) -> RunResult:  # fmt: skip
+    """Numbers from the records that completed in [t0, t_end]; the rest were cut at the edge."""
+    counted = [r for r in records if r[3] <= t_end]
     wall = max(t_end - t0, 1e-9)
-    tokens = sum(e[3] for e in done)
-    requests = sum(e[4] for e in done)
-    lat_ms = np.array([e[2] for e in done]) * 1000
+    tokens = sum(r[1] for r in counted)
+    requests = sum(r[2] for r in counted)
+    lat_ms = np.array([r[0] for r in counted]) * 1000
     return RunResult(
         system=system, n_clients=n, requests=requests, failed=failed, tokens=tokens,
         audio_seconds=audio_seconds(tokens), wall_seconds=wall,
@@ -177,20 +227,35 @@ def _summarize(system: str, n: int, done: list[tuple], t0: float, t_end: float, 
         cpu_seconds=sampler.cpu_seconds, others_cpu_share=sampler.others_cpu_share,
         threads=threads, policy=asdict(policy) if policy else {},
         largest_process_rss_mib=max(sampler.peak_rss_by_pid.values(), default=0) / 2**20,
+        window_s=window, cut_at_edge=len(records) - len(counted),
     )  # fmt: skip
 
 
-def bench_shm(setup: Setup, lengths: list[list[int]], *, ctx: Any, sampler: _Sampler, bar: Any,
-              policy: Policy | None = None, record: bool = True,
+def _batch_stats(result: RunResult, batches: list[list[int]]) -> None:
+    sizes = [len(b) for b in batches]
+    result.avg_batch_size = float(np.mean(sizes)) if sizes else 0.0
+    result.batch_size_histogram = {s: sizes.count(s) for s in sorted(set(sizes))}
+    tokens = sum(map(sum, batches))
+    if tokens:
+        result.padding_overhead = sum(len(b) * max(b) for b in batches) / tokens - 1
+
+
+def _check_count(setup: Setup, count: int | None) -> None:
+    if setup.window is None and count is None:
+        raise ValueError("without a window, give the number of requests per client")
+
+
+def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampler: _Sampler,
+              bar: Any, policy: Policy | None = None, variant: ShmVariant | None = None,
               names: list[str] | None = None) -> RunResult:  # fmt: skip
-    """bicodec-shm: one server process, one client process per entry of ``lengths``.
+    """bicodec-shm: one server process, ``n`` client processes.
 
-    With ``record``, the server's decoder logs each batch's lengths (``result.batches``).
+    The server's decoder logs each batch; ``result.batches`` holds those that started in
+    the window (or all, without one), for the limit to replay.
     """
-    import tempfile
-
+    _check_count(setup, count)
     policy = policy or setup.policy
-    n = len(lengths)
+    variant = variant or setup.shm[0]
     name = random_name(NAME_PREFIX)
     if names is not None:
         names.append(name)
@@ -201,17 +266,18 @@ def bench_shm(setup: Setup, lengths: list[list[int]], *, ctx: Any, sampler: _Sam
     os.close(fd)
     run = _Run(ctx, sampler, bar, setup.timeout)
     try:
-        run.spawn(_shm_server, name, setup.preset, setup.seed, setup.cores, policy, slots,
-                  max_tokens, record_path if record else None, run.events,
+        run.spawn(_shm_server, name, setup.model, setup.cores, policy, slots, max_tokens,
+                  variant.server_options, record_path, run.events,
                   name="bench-shm-server")  # fmt: skip
-        for i, lens in enumerate(lengths):
-            run.spawn(_shm_client, name, i, lens, setup.seed, setup.timeout, run.start_event,
-                      run.events, name=f"bench-shm-client-{i}")  # fmt: skip
-        done, t0, t_end = run.measure(n_ready=n + 1, n_exits=n)
+        for i in range(n):
+            run.spawn(_shm_client, name, i, setup.mix, setup.seed, count, setup.timeout,
+                      run.start_event, run.deadline, run.events,
+                      name=f"bench-shm-client-{i}")  # fmt: skip
+        records, t0, t_end = run.measure(n_ready=n + 1, n_exits=n, window=setup.window,
+                                         count=count)
         header = read_header(name)
         stats = stats_from_header(header) if header is not None else {}
-        with open(record_path) as f:
-            batches = [[int(x) for x in line.split()] for line in f if line.strip()]
+        batches = read_batches(record_path, t0, t_end)
     finally:
         run.stop()  # SIGTERM: the server finishes its batch, then unlinks everything
         unlink_all(name)  # only does something if the server could not clean up after itself
@@ -219,33 +285,32 @@ def bench_shm(setup: Setup, lengths: list[list[int]], *, ctx: Any, sampler: _Sam
     left = leftover_objects(name)
     if left:
         raise RuntimeError(f"/dev/shm objects left behind under {name!r}: {left}")
-    result = _summarize(SHM, n, done, t0, t_end, sampler, policy=policy,
-                        threads=f"server {setup.cores}, clients import no torch")  # fmt: skip
-    result.avg_batch_size = stats.get("avg_batch_size", 0.0)
-    result.batch_size_histogram = stats.get("batch_size_histogram", {})
+    result = _summarize(variant.label, n, records, t0, t_end, sampler, window=setup.window,
+                        policy=policy, threads=f"server {setup.cores}, clients import no torch")  # fmt: skip
     result.failed = stats.get("failed", 0)
-    if stats.get("tokens"):
-        result.padding_overhead = stats["padded_tokens"] / stats["tokens"] - 1
+    _batch_stats(result, batches)
     result.batches = batches
     return result
 
 
 def bench_limit(setup: Setup, batches: list[list[int]], n: int, *, ctx: Any, sampler: _Sampler,
                 bar: Any) -> RunResult:  # fmt: skip
-    """The recorded batches, replayed on the model in one process with no IPC."""
+    """The recorded batches, replayed on the model in one process with no IPC (in a loop
+    until the window closes)."""
+    if not batches:
+        return _skipped(LIMIT, n, "skipped: bicodec-shm completed no batch to replay")
     run = _Run(ctx, sampler, bar, setup.timeout)
     try:
-        run.spawn(_limit_worker, setup.preset, setup.seed, setup.cores, batches,
-                  run.start_event, run.events, name="bench-limit")  # fmt: skip
-        done, t0, t_end = run.measure(n_ready=1, n_exits=1)
+        run.spawn(_limit_worker, setup.model, setup.cores, batches, run.start_event, run.deadline,
+                  run.events, name="bench-limit")  # fmt: skip
+        records, t0, t_end = run.measure(n_ready=1, n_exits=1, window=setup.window, count=len(batches))
     finally:
         run.stop()
-    result = _summarize(LIMIT, n, done, t0, t_end, sampler, policy=setup.policy, latencies=False,
+    result = _summarize(LIMIT, n, records, t0, t_end, sampler, window=setup.window,
+                        policy=setup.policy, latencies=False,
                         threads=f"{setup.cores} (one process)")  # fmt: skip
-    sizes = [len(b) for b in batches]
-    result.avg_batch_size = float(np.mean(sizes)) if sizes else 0.0
-    result.batch_size_histogram = {s: sizes.count(s) for s in sorted(set(sizes))}
-    result.note = "replays bicodec-shm's batches; no latency (no clients)"
+    _batch_stats(result, batches)
+    result.note = f"replays {setup.shm[0].label}'s batches; no latency (no clients)"
     return result
 
 
@@ -253,51 +318,89 @@ def per_process_threads(cores: int, n: int) -> int:
     return max(1, cores // n)
 
 
-def bench_per_process(setup: Setup, lengths: list[list[int]], *, ctx: Any, sampler: _Sampler,
-                      bar: Any) -> RunResult:  # fmt: skip
-    """Every client process loads its own decoder and decodes its requests one by one."""
-    n = len(lengths)
+def bench_per_process(setup: Setup, n: int, *, count: int | None = None, ctx: Any,
+                      sampler: _Sampler, bar: Any) -> RunResult:  # fmt: skip
+    """Every client process loads its own decoder and decodes its requests one by one; with
+    the stand-in, through one lock shared by all (the one device they time-slice)."""
+    _check_count(setup, count)
     threads = per_process_threads(setup.cores, n)
     run = _Run(ctx, sampler, bar, setup.timeout)
+    lock = ctx.Lock() if setup.stand_in else None
     try:
-        for i, lens in enumerate(lengths):
-            run.spawn(_own_decoder_client, setup.preset, setup.seed, threads, i, lens,
-                      run.start_event, run.events, name=f"bench-own-decoder-{i}")  # fmt: skip
-        done, t0, t_end = run.measure(n_ready=n, n_exits=n)
+        for i in range(n):
+            run.spawn(_own_decoder_client, setup.model, threads, i, setup.mix, count, lock,
+                      setup.lock_trace, run.start_event, run.deadline, run.events,
+                      name=f"bench-own-decoder-{i}")  # fmt: skip
+        records, t0, t_end = run.measure(n_ready=n, n_exits=n, window=setup.window, count=count)
     finally:
         run.stop()
-    return _summarize(PER_PROCESS, n, done, t0, t_end, sampler, policy=None,
-                      threads=f"{threads} per process x {n}")  # fmt: skip
+    result = _summarize(PER_PROCESS, n, records, t0, t_end, sampler, window=setup.window,
+                        policy=None, threads=f"{threads} per process x {n}")  # fmt: skip
+    if setup.stand_in:
+        result.note = "one cross-process lock around each decode (one device, time-sliced)"
+    return result
 
 
-def bench_queue(setup: Setup, lengths: list[list[int]], *, ctx: Any, sampler: _Sampler,
+def bench_queue(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampler: _Sampler,
                 bar: Any) -> RunResult:  # fmt: skip
     """One server process fed pickled numpy requests through multiprocessing Queues."""
-    n = len(lengths)
+    _check_count(setup, count)
     run = _Run(ctx, sampler, bar, setup.timeout)
     try:
         requests_q = run.queue()
         reply_qs = [run.queue() for _ in range(n)]
-        server = run.spawn(_queue_server, setup.preset, setup.seed, setup.cores, setup.policy,
-                           requests_q, reply_qs, run.events, name="bench-queue-server")  # fmt: skip
-        for i, lens in enumerate(lengths):
-            run.spawn(_queue_client, i, lens, setup.seed, setup.timeout, requests_q, reply_qs[i],
-                      run.start_event, run.events, name=f"bench-queue-client-{i}")  # fmt: skip
-        done, t0, t_end = run.measure(n_ready=n + 1, n_exits=n)
+        server = run.spawn(_queue_server, setup.model, setup.cores, setup.policy, requests_q,
+                           reply_qs, run.deadline, run.events, name="bench-queue-server")  # fmt: skip
+        for i in range(n):
+            run.spawn(_queue_client, i, setup.mix, setup.seed, count, setup.timeout, requests_q,
+                      reply_qs[i], run.start_event, run.deadline, run.events,
+                      name=f"bench-queue-client-{i}")  # fmt: skip
+        records, t0, t_end = run.measure(n_ready=n + 1, n_exits=n, window=setup.window,
+                                         count=count)
         requests_q.put(None)  # every client has exited: the server sends its stats and ends
         deadline = time.monotonic() + 60
-        while (event := run.next_event(deadline))[0] != "stats":
+        while (event := run.next_event(deadline)) is None or event[0] != "stats":
             pass
         hist: dict[int, int] = event[1]
         server.join(30)
     finally:
         run.stop()
-    result = _summarize(QUEUE, n, done, t0, t_end, sampler, policy=setup.policy,
+    result = _summarize(QUEUE, n, records, t0, t_end, sampler, window=setup.window,
+                        policy=setup.policy,
                         threads=f"server {setup.cores}, clients import no torch")  # fmt: skip
     rows = sum(b * c for b, c in hist.items())
     result.avg_batch_size = rows / sum(hist.values()) if hist else 0.0
     result.batch_size_histogram = dict(sorted(hist.items()))
     return result
+
+
+def bench_ideal(setup: Setup, n: int, *, count: int | None = None) -> RunResult:
+    """The stand-in's ideal batcher at ``n`` clients (standin.py): computed, not run."""
+    _check_count(setup, count)
+    a_ms, b_ms = setup.stand_in_ms
+    p = setup.policy
+    ideal = ideal_run(setup.mix, setup.seed, n, max_batch=p.max_batch,
+                      max_batch_tokens=p.max_batch_tokens, a_ms=a_ms, b_ms=b_ms,
+                      window_s=setup.window, requests=count if setup.window is None else None)  # fmt: skip
+    wall = max(ideal.seconds, 1e-9)
+    sizes = ideal.batch_sizes
+    return RunResult(
+        system=IDEAL, n_clients=n, requests=ideal.requests, failed=0, tokens=ideal.tokens,
+        audio_seconds=audio_seconds(ideal.tokens), wall_seconds=ideal.seconds,
+        audio_s_per_s=audio_seconds(ideal.tokens) / wall, requests_per_s=ideal.requests / wall,
+        latency_p50_ms=None, latency_p99_ms=None,
+        avg_batch_size=float(np.mean(sizes)) if sizes else 0.0,
+        batch_size_histogram={s: sizes.count(s) for s in sorted(set(sizes))},
+        peak_rss_mib=None, cpu_seconds=0.0, others_cpu_share=None, threads="",
+        policy=asdict(p), window_s=setup.window,
+        padding_overhead=ideal.padded_tokens / ideal.tokens - 1 if ideal.tokens else None,
+        note="computed: every batch from all N outstanding requests, zero overhead",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration
+# ---------------------------------------------------------------------------------------------
 
 
 def _memory_ok(setup: Setup, n: int) -> str:
@@ -319,52 +422,84 @@ def _skipped(system: str, n: int, note: str) -> RunResult:
                      others_cpu_share=None, threads="", policy={}, note=note)  # fmt: skip
 
 
-def bench_all(setup: Setup, ns: Sequence[int], *, requests: dict[int, int],
-              systems: Sequence[str] = SYSTEMS, progress: bool = True,
+def runs_per_repeat(setup: Setup, systems: Sequence[str]) -> int:
+    """Processes-and-window runs of one repeat at one N (the ideal batcher is not run)."""
+    return len(setup.shm) * (SHM in systems) + sum(s in systems for s in (LIMIT, PER_PROCESS, QUEUE))
+
+
+def bench_all(setup: Setup, ns: Sequence[int], *, requests: dict[int, int] | None = None,
+              repeats: int = 1, systems: Sequence[str] = SYSTEMS, progress: bool = True,
               names: list[str] | None = None) -> list[RunResult]:  # fmt: skip
-    """Every system at every N (``requests[n]`` each); one ``RunResult`` per (N, system)."""
+    """Every system at every N, ``repeats`` times; one ``RunResult`` per (N, repeat, system).
+
+    Within a repeat the systems run in an order rotated from one repeat to the next (the
+    limit always right after bicodec-shm, whose batches it replays), so that a burst of load
+    from other processes does not always land on the same system. ``requests[n]``: requests
+    per client when there is no window.
+    """
     from tqdm import tqdm
 
+    if setup.window is None and requests is None:
+        raise ValueError("without a window, give the requests per client")
     ctx = mp.get_context("spawn")  # children must not inherit this process's state
-    plan = {n: draw_lengths(setup.mix, n, requests[n], setup.seed) for n in ns}
-    total = sum(n * requests[n] for n in ns) * len(systems)
     sampler = _Sampler(setup.sample_interval)
     results: list[RunResult] = []
+    groups = [g for g in (SHM, PER_PROCESS, QUEUE) if g in systems]
+    total = len(ns) * repeats * runs_per_repeat(setup, systems)
     try:
-        with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress,
+        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress,
                   dynamic_ncols=True) as bar:  # fmt: skip
             for n in ns:
-                lengths = plan[n]
-                shm: RunResult | None = None
-                for system in (s for s in SYSTEMS if s in systems):
-                    bar.set_description(f"N={n} {system}")
-                    if system == SHM:
-                        shm = bench_shm(setup, lengths, ctx=ctx, sampler=sampler, bar=bar,
-                                        names=names)  # fmt: skip
-                        results.append(shm)
-                    elif system == LIMIT:
-                        if shm is None:
-                            raise ValueError(f"{LIMIT!r} replays {SHM!r}'s batches: run both")
-                        results.append(bench_limit(setup, shm.batches, n, ctx=ctx,
-                                                   sampler=sampler, bar=bar))  # fmt: skip
-                    elif system == PER_PROCESS:
-                        why = _memory_ok(setup, n)
-                        if why:
-                            bar.write(f"N={n} {PER_PROCESS}: {why}")
-                            bar.update(sum(map(len, lengths)))
-                            results.append(_skipped(PER_PROCESS, n, why))
-                            continue
-                        results.append(bench_per_process(setup, lengths, ctx=ctx,
-                                                         sampler=sampler, bar=bar))  # fmt: skip
-                    elif system == QUEUE:
-                        results.append(bench_queue(setup, lengths, ctx=ctx, sampler=sampler,
-                                                   bar=bar))  # fmt: skip
+                count = requests[n] if requests is not None else None
+                for r in range(repeats):
+                    shift = r % len(groups)
+                    done = len(results)
+                    for group in groups[shift:] + groups[:shift]:
+                        results += _run_group(group, setup, n, count, systems, ctx=ctx,
+                                              sampler=sampler, bar=bar, names=names, repeat=r)  # fmt: skip
+                    if setup.stand_in:
+                        results.append(bench_ideal(setup, n, count=count))
+                    for result in results[done:]:
+                        result.repeat = r
     finally:
         sampler.stop()
     return results
 
 
-def bench_sweep(setup: Setup, n: int, *, requests: int, waits: Sequence[float],
+def _run_group(group: str, setup: Setup, n: int, count: int | None, systems: Sequence[str], *,
+               ctx: Any, sampler: _Sampler, bar: Any, names: list[str] | None,
+               repeat: int) -> list[RunResult]:  # fmt: skip
+    """One system (bicodec-shm: each variant, then the limit), with the progress bar kept."""
+    out: list[RunResult] = []
+
+    def step(label: str, fn: Callable[[], RunResult]) -> None:
+        bar.set_description(f"N={n} #{repeat + 1} {label}")
+        out.append(fn())
+        bar.update(1)
+
+    if group == SHM:
+        for k, variant in enumerate(setup.shm):
+            step(variant.label, lambda v=variant: bench_shm(setup, n, count=count, ctx=ctx,
+                                                            sampler=sampler, bar=bar, variant=v,
+                                                            names=names))  # fmt: skip
+            if k == 0 and LIMIT in systems:
+                step(LIMIT, lambda b=out[-1].batches: bench_limit(setup, b, n, ctx=ctx,
+                                                                  sampler=sampler, bar=bar))
+    elif group == PER_PROCESS:
+        why = _memory_ok(setup, n)
+        if why:
+            bar.write(f"N={n} {PER_PROCESS}: {why}")
+            bar.update(1)
+            out.append(_skipped(PER_PROCESS, n, why))
+        else:
+            step(PER_PROCESS, lambda: bench_per_process(setup, n, count=count, ctx=ctx,
+                                                        sampler=sampler, bar=bar))  # fmt: skip
+    elif group == QUEUE:
+        step(QUEUE, lambda: bench_queue(setup, n, count=count, ctx=ctx, sampler=sampler, bar=bar))
+    return out
+
+
+def bench_sweep(setup: Setup, n: int, *, requests: int | None = None, waits: Sequence[float],
                 tokens: Sequence[int | None], repeats: int = 1, progress: bool = True,
                 names: list[str] | None = None) -> list[RunResult]:  # fmt: skip
     """bicodec-shm alone at ``n`` clients for every (max_wait_ms, max_batch_tokens).
@@ -374,22 +509,23 @@ def bench_sweep(setup: Setup, n: int, *, requests: int, waits: Sequence[float],
     """
     from tqdm import tqdm
 
+    _check_count(setup, requests)
     ctx = mp.get_context("spawn")
-    m = requests
-    lengths = draw_lengths(setup.mix, n, m, setup.seed)
     grid = [Policy(setup.policy.max_batch, w, t) for w in waits for t in tokens]
     sampler = _Sampler(setup.sample_interval)
     results: list[RunResult] = []
     try:
-        with tqdm(total=len(grid) * repeats * n * m, desc="sweep", unit="req", file=sys.stderr,
+        with tqdm(total=len(grid) * repeats, desc="sweep", unit="run", file=sys.stderr,
                   disable=not progress, dynamic_ncols=True) as bar:  # fmt: skip
             for r in range(repeats):
                 shift = (r * len(grid)) // repeats
                 for policy in grid[shift:] + grid[:shift]:
                     bar.set_description(f"N={n} wait {policy.max_wait_ms:g} ms "
                                         f"budget {policy.max_batch_tokens}")  # fmt: skip
-                    results.append(bench_shm(setup, lengths, ctx=ctx, sampler=sampler, bar=bar,
-                                             policy=policy, record=False, names=names))  # fmt: skip
+                    result = bench_shm(setup, n, count=requests, ctx=ctx, sampler=sampler, bar=bar,
+                                       policy=policy, names=names)  # fmt: skip
+                    results.append(replace(result, repeat=r, batches=[]))
+                    bar.update(1)
     finally:
         sampler.stop()
     return results

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..transport import (
-    HOP,
-    N_GLOBAL,
-)
+from ..transport import HOP, N_GLOBAL
 
 SAMPLE_RATE = 16_000
 SEMANTIC_VOCAB = 8192
@@ -51,23 +49,36 @@ def parse_mix(text: str) -> tuple[Band, ...]:
     return tuple(bands)
 
 
-def draw_lengths(mix: Sequence[Band], n_clients: int, n_requests: int, seed: int) -> list[list[int]]:
-    """Token lengths of each client's requests. Client i's list depends on (seed, i) only."""
+def length_stream(mix: Sequence[Band], seed: int, index: int) -> Iterator[int]:
+    """Client ``index``'s request lengths, endless. The k-th depends on (seed, index, k) only,
+    so every system (and the ideal batcher) sees the same requests in the same order."""
     weights = np.array([b.weight for b in mix], float)
     weights /= weights.sum()
-    out = []
-    for i in range(n_clients):
-        rng = np.random.default_rng([seed, i])
-        bands = rng.choice(len(mix), size=n_requests, p=weights)
-        out.append([int(rng.integers(mix[b].lo, mix[b].hi + 1)) for b in bands])
-    return out
+    lo = np.array([b.lo for b in mix])
+    hi = np.array([b.hi for b in mix])
+    rng = np.random.default_rng([seed, index])
+    while True:  # in blocks, because a window may take thousands of requests
+        bands = rng.choice(len(mix), size=_BLOCK, p=weights)
+        yield from rng.integers(lo[bands], hi[bands] + 1).tolist()
 
 
-def _requests(index: int, lengths: list[int], seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Client ``index``'s requests: random ids of the given lengths, one speaker per client."""
+_BLOCK = 64
+
+
+def draw_lengths(mix: Sequence[Band], n_clients: int, n_requests: int, seed: int) -> list[list[int]]:
+    """The first ``n_requests`` lengths of each client's stream (``length_stream``)."""
+    return [list(itertools.islice(length_stream(mix, seed, i), n_requests)) for i in range(n_clients)]
+
+
+def request_stream(mix: Sequence[Band], seed: int, index: int,
+                   count: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    """Client ``index``'s requests: (T,) int64 semantic ids of the stream's lengths and the
+    client's (32,) int64 speaker; endless unless ``count`` is given."""
     rng = np.random.default_rng([seed, index, 1])
     speaker = rng.integers(0, GLOBAL_VOCAB, N_GLOBAL, dtype=np.int64)
-    return [(rng.integers(0, SEMANTIC_VOCAB, n, dtype=np.int64), speaker) for n in lengths]
+    lengths = itertools.islice(length_stream(mix, seed, index), count)
+    for n in lengths:
+        yield rng.integers(0, SEMANTIC_VOCAB, n, dtype=np.int64), speaker
 
 
 def audio_seconds(tokens: int) -> float:

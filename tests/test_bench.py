@@ -129,6 +129,26 @@ def test_stand_in_run_reports_the_share_of_the_ideal(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_every_shm_variant_runs_in_one_pass_under_its_own_label():
+    """What --lanes 1,2 does, with a keyword today's server takes (lanes= comes later)."""
+    variants = tuple(config.ShmVariant(f"{config.SHM} (reap_interval={v})", {"reap_interval": v})
+                     for v in (0.5, 1.0))  # fmt: skip
+    setup = config.Setup(preset=config.STAND_IN, seed=0, mix=workload.parse_mix("25-50"), cores=1,
+                         policy=config.Policy(), sample_interval=0.05, timeout=60, window=0.5,
+                         stand_in_ms=(2.0, 0.01), shm=variants)  # fmt: skip
+    results = systems.bench_all(setup, [2], systems=(config.SHM, config.LIMIT), progress=False)
+    assert [r.system for r in results] == [v.label for v in variants[:1]] + [config.LIMIT] + [
+        variants[1].label, config.IDEAL]
+    assert all(r.requests > 0 for r in results)
+    assert results[1].note.startswith(f"replays {variants[0].label}'s batches")
+    comparison = reporting.compare(results)
+    for v in variants:
+        assert reporting.is_shm(v.label)
+        assert comparison[2][v.label]["vs_ideal"]["median"] > 0
+    assert _live_children() == []
+
+
+@pytest.mark.timeout(300)
 def test_sweep_reports_each_policy(tmp_path):
     out = tmp_path / "sweep.json"
     # --server-arg goes through to DecoderServer (reap_interval: a keyword every server takes).

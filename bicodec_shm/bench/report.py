@@ -199,6 +199,9 @@ def format_table(results: Sequence[RunResult],
                      for k, _ in ratio_cols))
                   for row in rows if row["runs"]]  # fmt: skip
     out = [_grid(head, body, left=2)]
+    if any(r.window_s for r in results):
+        out.append("requests: completed inside the window, counted; cut: completed after it "
+                   "closed (in flight at the close), left out")  # fmt: skip
     if ratio_cols:
         out += ["", "ratios, computed within each repeat (each system against the reference "
                     "system of the same repeat and N):", _grid(ratio_head, ratio_body, left=2)]  # fmt: skip

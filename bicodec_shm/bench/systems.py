@@ -288,7 +288,13 @@ def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampl
     result = _summarize(variant.label, n, records, t0, t_end, sampler, window=setup.window,
                         policy=policy, threads=f"server {setup.cores}, clients import no torch")  # fmt: skip
     result.failed = stats.get("failed", 0)
-    _batch_stats(result, batches)
+    if batches:
+        _batch_stats(result, batches)
+    elif stats.get("batches"):  # nothing recorded (a server that bypasses detokenize): its counters
+        result.avg_batch_size = stats["avg_batch_size"]
+        result.batch_size_histogram = stats["batch_size_histogram"]
+        result.padding_overhead = stats["padded_tokens"] / stats["tokens"] - 1 if stats["tokens"] else None
+        result.note = "batch sizes from the server's counters (whole run); no batches recorded"
     result.batches = batches
     return result
 

@@ -119,13 +119,19 @@ def _shm_client(name: str, index: int, mix: Sequence[Band], seed: int, count: in
 
 class _RecordingDecoder:
     """Passes ``detokenize`` through to the model and appends each batch to a file: the
-    perf_counter time it started, then its lengths."""
+    perf_counter time it started, then its lengths. Any other attribute the server asks for
+    is the model's own, so that a server using more of the model's interface sees it."""
 
     def __init__(self, model: Any, path: str) -> None:
         self.model = model
         self.config = getattr(model, "config", None)
         self.device = model.device
         self._file = open(path, "a", buffering=1)  # line-buffered: complete lines survive a kill
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
 
     def detokenize(self, semantic_ids: Any, global_ids: Any, lengths: Any) -> Any:
         """(B, T) long, (B, 32) long, (B,) long -> (B, 320·T) float32."""

@@ -126,7 +126,10 @@ class _RecordingDecoder:
         self.model = model
         self.config = getattr(model, "config", None)
         self.device = model.device
-        self._file = open(path, "a", buffering=1)  # line-buffered: complete lines survive a kill
+        # No O_CREAT: if the parent already gave up on this run (Ctrl-C during start-up) and
+        # removed the file, fail here rather than leave a new one behind in /tmp.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._file = os.fdopen(fd, "a", buffering=1)  # line-buffered: complete lines survive a kill
 
     def __getattr__(self, name: str) -> Any:
         if name == "model":  # not set yet: no recursion

@@ -19,8 +19,9 @@ import psutil
 import pytest
 
 from bicodec_shm import bench
-from bicodec_shm.bench import cli, config, sampling, standin, systems, workload
+from bicodec_shm.bench import cli, config, orchestrate, sampling, standin, systems, workload
 from bicodec_shm.bench import report as reporting
+from bicodec_shm.bench import results as run_results
 from bicodec_shm.transport import leftover_objects
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,7 +137,7 @@ def test_every_shm_variant_runs_in_one_pass_under_its_own_label():
     setup = config.Setup(preset=config.STAND_IN, seed=0, mix=workload.parse_mix("25-50"), cores=1,
                          policy=config.Policy(), sample_interval=0.05, timeout=60, window=0.5,
                          stand_in_ms=(2.0, 0.01), shm=variants)  # fmt: skip
-    results = systems.bench_all(setup, [2], systems=(config.SHM,), progress=False)
+    results = orchestrate.bench_all(setup, [2], systems=(config.SHM,), progress=False)
     assert [r.system for r in results] == [v.label for v in variants] + [config.IDEAL]
     assert all(r.requests > 0 for r in results)
     comparison = reporting.compare(results)
@@ -385,7 +386,7 @@ def test_bad_options_name_what_is_allowed():
 # -- the tables from given numbers ----------------------------------------------------------------
 
 
-def _result(system: str, n: int, audio_s_per_s: float, rss: float | None, **kw) -> systems.RunResult:
+def _result(system: str, n: int, audio_s_per_s: float, rss: float | None, **kw) -> run_results.RunResult:
     base = dict(system=system, n_clients=n, requests=10, failed=0, tokens=500,
                 audio_seconds=10.0, wall_seconds=10 / audio_s_per_s,
                 audio_s_per_s=audio_s_per_s, requests_per_s=audio_s_per_s,
@@ -393,7 +394,7 @@ def _result(system: str, n: int, audio_s_per_s: float, rss: float | None, **kw) 
                 batch_size_histogram={}, peak_rss_mib=rss, cpu_seconds=1.0,
                 others_cpu_share=0.1, threads="1", policy={})  # fmt: skip
     base.update(kw)
-    return systems.RunResult(**base)
+    return run_results.RunResult(**base)
 
 
 def test_summarise_takes_median_min_max_of_what_was_measured():
@@ -424,7 +425,7 @@ def test_ratios_are_taken_per_repeat_then_summarised():
 def test_target_lines_only_for_the_n_that_ran():
     mix = workload.parse_mix(workload.DEFAULT_MIX)
 
-    def run(n: int, speed: float, rss: float, **kw) -> list[systems.RunResult]:
+    def run(n: int, speed: float, rss: float, **kw) -> list[run_results.RunResult]:
         return [_result(config.SHM, n, speed, rss, **kw), _result(config.LIMIT, n, 1.0, 900.0),
                 _result(config.PER_PROCESS, n, 0.5, 8000.0), _result(config.QUEUE, n, 0.6, 1100.0)]
 
@@ -454,7 +455,7 @@ def test_target_lines_only_for_the_n_that_ran():
 
 def test_a_skipped_system_is_shown_not_compared():
     results = [_result(config.SHM, 16, 1.0, 1000.0),
-               systems._skipped(config.PER_PROCESS, 16, "skipped: needs ~17 GiB free")]  # fmt: skip
+               run_results._skipped(config.PER_PROCESS, 16, "skipped: needs ~17 GiB free")]  # fmt: skip
     comparison = reporting.compare(results)
     assert comparison[16][config.SHM]["vs_per_process"] is None
     assert config.PER_PROCESS not in comparison[16]
@@ -462,7 +463,7 @@ def test_a_skipped_system_is_shown_not_compared():
 
 
 def test_sweep_summary_takes_medians_and_marks_the_best():
-    def run(wait: float, budget: int, speed: float, p99: float) -> systems.RunResult:
+    def run(wait: float, budget: int, speed: float, p99: float) -> run_results.RunResult:
         return _result(config.SHM, 8, speed, 1000.0, latency_p99_ms=p99,
                        policy={"max_batch": 16, "max_wait_ms": wait, "max_batch_tokens": budget})
 

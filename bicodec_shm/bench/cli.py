@@ -95,6 +95,7 @@ from .config import (
     Setup,
     ShmVariant,
 )
+from .orchestrate import bench_all, bench_sweep, runs_per_repeat
 from .plot import PLOT_EXTRA, plot
 from .report import (
     _json_default,
@@ -108,7 +109,7 @@ from .report import (
 )
 from .sampling import _cores, environment
 from .standin import DEFAULT_A_MS, DEFAULT_B_MS, IDEAL_DEFINITION
-from .systems import bench_all, bench_sweep, per_process_threads, runs_per_repeat
+from .systems import per_process_threads
 from .workers import DEVICE_ENV
 from .workload import DEFAULT_MIX, parse_mix, requests_per_client
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 
 from .report import summary
-from .systems import RunResult
+from .results import RunResult
 
 PLOT_EXTRA = 'pip install "bicodec-shm[plot]"'
 

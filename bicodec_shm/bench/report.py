@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .config import IDEAL, LIMIT, PER_PROCESS, QUEUE, SHM, TARGETS, Target
-from .systems import RunResult
+from .results import RunResult
 from .workload import DEFAULT_MIX, Band, parse_mix
 
 # The per-run numbers summarised over repeats: (key, table header, format).

@@ -1,6 +1,5 @@
 """The parent's side of each system: start its processes, release them together, sample them
-for one window, stop them; and the orchestration over N and repeats (``bench_all``) or over a
-policy grid (``bench_sweep``).
+for one window, stop them (the order of the runs is ``orchestrate.py``'s).
 
 The window: the parent sets a shared deadline (perf_counter, one clock for every process on
 Linux) to t0 + window and releases every process at t0. Clients send requests back to back
@@ -16,14 +15,12 @@ request counts and the wall time ends at the last reply.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import queue
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -42,15 +39,13 @@ from .config import (
     LIMIT,
     NAME_PREFIX,
     PER_PROCESS,
-    PROCESS_GIB,
     QUEUE,
-    SHM,
     START_TIMEOUT,
-    SYSTEMS,
     Policy,
     Setup,
     ShmVariant,
 )
+from .results import RunResult, _batch_stats, _skipped, _summarize
 from .sampling import _Sampler
 from .standin import ideal_run
 from .workers import (
@@ -64,42 +59,6 @@ from .workers import (
     read_batches,
 )
 from .workload import audio_seconds
-
-
-@dataclass
-class RunResult:
-    """One system at one N in one repeat (absolute numbers; ratios come from ``compare``)."""
-
-    system: str
-    n_clients: int
-    requests: int
-    failed: int
-    tokens: int
-    audio_seconds: float
-    wall_seconds: float
-    audio_s_per_s: float
-    requests_per_s: float
-    latency_p50_ms: float | None
-    latency_p99_ms: float | None
-    avg_batch_size: float
-    batch_size_histogram: dict
-    peak_rss_mib: float | None  # the peak of the sum over processes (None: nothing ran)
-    cpu_seconds: float
-    others_cpu_share: float | None
-    threads: str
-    policy: dict
-    largest_process_rss_mib: float = 0.0  # the largest single process's own peak
-    padding_overhead: float | None = None  # padded tokens / tokens - 1
-    note: str = ""
-    repeat: int = 0
-    window_s: float | None = None  # None: a fixed request count
-    cut_at_edge: int = 0  # requests (the limit: batches) completed after the window, left out
-    batches: list = field(default_factory=list, repr=False)  # bicodec-shm's, for the limit
-
-    @property
-    def cpu_per_audio_s(self) -> float | None:
-        """CPU seconds per audio second: the cost of the work, much less noisy than wall time."""
-        return self.cpu_seconds / self.audio_seconds if self.audio_seconds and self.cpu_seconds else None
 
 
 class _Run:
@@ -206,38 +165,6 @@ class _Run:
             q.cancel_join_thread()  # never block this process's exit on an unread queue
             q.close()
         self.sampler.clear()
-
-
-def _summarize(system: str, n: int, records: list[Record], t0: float, t_end: float,
-               sampler: _Sampler, *, window: float | None, threads: str, policy: Policy | None,
-               failed: int = 0, latencies: bool = True) -> RunResult:  # fmt: skip
-    """Numbers from the records that completed in [t0, t_end]; the rest were cut at the edge."""
-    counted = [r for r in records if r[3] <= t_end]
-    wall = max(t_end - t0, 1e-9)
-    tokens = sum(r[1] for r in counted)
-    requests = sum(r[2] for r in counted)
-    lat_ms = np.array([r[0] for r in counted]) * 1000
-    return RunResult(
-        system=system, n_clients=n, requests=requests, failed=failed, tokens=tokens,
-        audio_seconds=audio_seconds(tokens), wall_seconds=wall,
-        audio_s_per_s=audio_seconds(tokens) / wall, requests_per_s=requests / wall,
-        latency_p50_ms=float(np.percentile(lat_ms, 50)) if latencies and len(lat_ms) else None,
-        latency_p99_ms=float(np.percentile(lat_ms, 99)) if latencies and len(lat_ms) else None,
-        avg_batch_size=1.0, batch_size_histogram={}, peak_rss_mib=sampler.peak_rss / 2**20,
-        cpu_seconds=sampler.cpu_seconds, others_cpu_share=sampler.others_cpu_share,
-        threads=threads, policy=asdict(policy) if policy else {},
-        largest_process_rss_mib=max(sampler.peak_rss_by_pid.values(), default=0) / 2**20,
-        window_s=window, cut_at_edge=len(records) - len(counted),
-    )  # fmt: skip
-
-
-def _batch_stats(result: RunResult, batches: list[list[int]]) -> None:
-    sizes = [len(b) for b in batches]
-    result.avg_batch_size = float(np.mean(sizes)) if sizes else 0.0
-    result.batch_size_histogram = {s: sizes.count(s) for s in sorted(set(sizes))}
-    tokens = sum(map(sum, batches))
-    if tokens:
-        result.padding_overhead = sum(len(b) * max(b) for b in batches) / tokens - 1
 
 
 def _check_count(setup: Setup, count: int | None) -> None:
@@ -402,136 +329,3 @@ def bench_ideal(setup: Setup, n: int, *, count: int | None = None) -> RunResult:
         padding_overhead=ideal.padded_tokens / ideal.tokens - 1 if ideal.tokens else None,
         note="computed: every batch from all N outstanding requests, zero overhead",
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Orchestration
-# ---------------------------------------------------------------------------------------------
-
-
-def _memory_ok(setup: Setup, n: int) -> str:
-    """Why N decoder processes must not be started here ("" if they may)."""
-    import psutil
-
-    need = n * PROCESS_GIB.get(setup.preset, 1.0) + 1.0
-    free = psutil.virtual_memory().available / 2**30
-    if free < need:
-        return f"skipped: needs ~{need:.0f} GiB free, {free:.1f} GiB available"
-    return ""
-
-
-def _skipped(system: str, n: int, note: str) -> RunResult:
-    return RunResult(system=system, n_clients=n, requests=0, failed=0, tokens=0,
-                     audio_seconds=0.0, wall_seconds=0.0, audio_s_per_s=0.0, requests_per_s=0.0,
-                     latency_p50_ms=None, latency_p99_ms=None, avg_batch_size=0.0,
-                     batch_size_histogram={}, peak_rss_mib=0.0, cpu_seconds=0.0,
-                     others_cpu_share=None, threads="", policy={}, note=note)  # fmt: skip
-
-
-def runs_per_repeat(setup: Setup, systems: Sequence[str]) -> int:
-    """Processes-and-window runs of one repeat at one N (the ideal batcher is not run)."""
-    return len(setup.shm) * (SHM in systems) + sum(s in systems for s in (LIMIT, PER_PROCESS, QUEUE))
-
-
-def bench_all(setup: Setup, ns: Sequence[int], *, requests: dict[int, int] | None = None,
-              repeats: int = 1, systems: Sequence[str] = SYSTEMS, progress: bool = True,
-              names: list[str] | None = None) -> list[RunResult]:  # fmt: skip
-    """Every system at every N, ``repeats`` times; one ``RunResult`` per (N, repeat, system).
-
-    Within a repeat the systems run in an order rotated from one repeat to the next (the
-    limit always right after bicodec-shm, whose batches it replays), so that a burst of load
-    from other processes does not always land on the same system. ``requests[n]``: requests
-    per client when there is no window.
-    """
-    from tqdm import tqdm
-
-    if setup.window is None and requests is None:
-        raise ValueError("without a window, give the requests per client")
-    ctx = mp.get_context("spawn")  # children must not inherit this process's state
-    sampler = _Sampler(setup.sample_interval)
-    results: list[RunResult] = []
-    groups = [g for g in (SHM, PER_PROCESS, QUEUE) if g in systems]
-    total = len(ns) * repeats * runs_per_repeat(setup, systems)
-    try:
-        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress,
-                  dynamic_ncols=True) as bar:  # fmt: skip
-            for n in ns:
-                count = requests[n] if requests is not None else None
-                for r in range(repeats):
-                    shift = r % len(groups)
-                    done = len(results)
-                    for group in groups[shift:] + groups[:shift]:
-                        results += _run_group(group, setup, n, count, systems, ctx=ctx,
-                                              sampler=sampler, bar=bar, names=names, repeat=r)  # fmt: skip
-                    if setup.stand_in:
-                        results.append(bench_ideal(setup, n, count=count))
-                    for result in results[done:]:
-                        result.repeat = r
-    finally:
-        sampler.stop()
-    return results
-
-
-def _run_group(group: str, setup: Setup, n: int, count: int | None, systems: Sequence[str], *,
-               ctx: Any, sampler: _Sampler, bar: Any, names: list[str] | None,
-               repeat: int) -> list[RunResult]:  # fmt: skip
-    """One system (bicodec-shm: each variant, then the limit), with the progress bar kept."""
-    out: list[RunResult] = []
-
-    def step(label: str, fn: Callable[[], RunResult]) -> None:
-        bar.set_description(f"N={n} #{repeat + 1} {label}")
-        out.append(fn())
-        bar.update(1)
-
-    if group == SHM:
-        for k, variant in enumerate(setup.shm):
-            step(variant.label, lambda v=variant: bench_shm(setup, n, count=count, ctx=ctx,
-                                                            sampler=sampler, bar=bar, variant=v,
-                                                            names=names))  # fmt: skip
-            if k == 0 and LIMIT in systems:
-                step(LIMIT, lambda b=out[-1].batches: bench_limit(setup, b, n, ctx=ctx,
-                                                                  sampler=sampler, bar=bar))
-    elif group == PER_PROCESS:
-        why = _memory_ok(setup, n)
-        if why:
-            bar.write(f"N={n} {PER_PROCESS}: {why}")
-            bar.update(1)
-            out.append(_skipped(PER_PROCESS, n, why))
-        else:
-            step(PER_PROCESS, lambda: bench_per_process(setup, n, count=count, ctx=ctx,
-                                                        sampler=sampler, bar=bar))  # fmt: skip
-    elif group == QUEUE:
-        step(QUEUE, lambda: bench_queue(setup, n, count=count, ctx=ctx, sampler=sampler, bar=bar))
-    return out
-
-
-def bench_sweep(setup: Setup, n: int, *, requests: int | None = None, waits: Sequence[float],
-                tokens: Sequence[int | None], repeats: int = 1, progress: bool = True,
-                names: list[str] | None = None) -> list[RunResult]:  # fmt: skip
-    """bicodec-shm alone at ``n`` clients for every (max_wait_ms, max_batch_tokens).
-
-    With ``repeats`` > 1 the whole grid runs that many times, each pass in a rotated order, so
-    that a burst of load from other processes does not land on the same configurations.
-    """
-    from tqdm import tqdm
-
-    _check_count(setup, requests)
-    ctx = mp.get_context("spawn")
-    grid = [Policy(setup.policy.max_batch, w, t) for w in waits for t in tokens]
-    sampler = _Sampler(setup.sample_interval)
-    results: list[RunResult] = []
-    try:
-        with tqdm(total=len(grid) * repeats, desc="sweep", unit="run", file=sys.stderr,
-                  disable=not progress, dynamic_ncols=True) as bar:  # fmt: skip
-            for r in range(repeats):
-                shift = (r * len(grid)) // repeats
-                for policy in grid[shift:] + grid[:shift]:
-                    bar.set_description(f"N={n} wait {policy.max_wait_ms:g} ms "
-                                        f"budget {policy.max_batch_tokens}")  # fmt: skip
-                    result = bench_shm(setup, n, count=requests, ctx=ctx, sampler=sampler, bar=bar,
-                                       policy=policy, names=names)  # fmt: skip
-                    results.append(replace(result, repeat=r, batches=[]))
-                    bar.update(1)
-    finally:
-        sampler.stop()
-    return results

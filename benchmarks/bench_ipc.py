@@ -17,19 +17,30 @@ machine slows every transport alike):
    echo process that answers with a zero int16 array of 16 000 samples.
 4. ``multiprocessing.Queue``: the same, through a pair of Queues (feeder thread + pipe).
 
+Then, with more clients: ``--clients 4,16`` (default) adds rows where that many client
+processes, each doing synchronous round trips, share one no-op ``DecoderServer`` whose
+``max_batch`` is the number of clients (it waits up to ``--concurrent-wait-ms`` for the batch
+to fill, sleeping, so that batches of 4 and 16 form). For each: the round-trip percentiles over
+every client, requests per second, the average batch size (the server's own counters) and the
+server's CPU time per request (/proc/PID/task/*/schedstat of the server process over the
+timed round trips, divided by the requests), beside the single-client row at batch 1.
+
 Beside the wall-time percentiles, the table gives the CPU time each side spent per round trip
 ("cpu here": this process, all threads; "cpu peer": the child, from /proc/PID/task/*/schedstat).
 CPU time depends far less than wall time on what else the machine runs (though cache misses
 still inflate it there), so it is the column to compare across runs on a shared machine, where
 wall time is dominated by waiting for a core.
 
-Targets (from the issue): bicodec-shm's median within 1.5x the floor's, and the Queue's median
-at least 3x bicodec-shm's. The table says, for each, what was measured and whether it was met.
+Targets (issue 10): the Queue's round trip at least 3x bicodec-shm's at batch 1 (one client),
+and the server's CPU per request at most 20 us at batch 16 (16 clients); and, from earlier,
+bicodec-shm's median within 1.5x the floor's. The table says, for each, what was measured and
+whether it was met.
 
 Usage::
 
     python benchmarks/bench_ipc.py                 # 2000 round trips per transport
     python benchmarks/bench_ipc.py --quick         # a few seconds, for a smoke check
+    python benchmarks/bench_ipc.py --clients 4,8,16,32   # more concurrent rows
     python benchmarks/bench_ipc.py --profile out   # also cProfile a separate bicodec-shm run
 
 Results are printed as a table and written as JSON (default ``benchmarks/out/bench_ipc.json``).
@@ -51,7 +62,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,9 +71,9 @@ import numpy as np
 import posix_ipc
 from tqdm import tqdm
 
-from bicodec_shm.bench import environment  # the same machine record as bench_throughput
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import SegmentError, ServerUnavailableError
+from bicodec_shm.processes import is_serving
 from bicodec_shm.transport import leftover_objects, random_name, read_header, unlink_all
 
 N_TOKENS = 50
@@ -75,8 +87,17 @@ REPLY_TIMEOUT = 60.0  # seconds; generous because the first reply waits for a ch
 DECODE_TIMEOUT = 10.0  # seconds; a no-op decode takes well under 1 ms, even on a busy machine
 START_TIMEOUT = 120.0  # seconds for the server child to import torch and create its segment
 
+DEFAULT_CLIENTS = (4, 16)  # the concurrent rows
+# A no-op batch is ready at once, so with no wait the server would take whatever has arrived;
+# waiting (asleep on the doorbell) until max_batch = clients requests are in makes the batch
+# size the row's clients. The wait ends as soon as the batch is full; it runs out only when a
+# client is descheduled (16 client processes on 2 busy cores: 5 ms gave batches of ~9).
+CONCURRENT_WAIT_MS = 20.0
+
 TARGET_FLOOR_RATIO = 1.5  # bicodec-shm median <= 1.5 x the semaphore floor's
-TARGET_QUEUE_SPEEDUP = 3.0  # Queue median >= 3 x bicodec-shm's
+TARGET_QUEUE_SPEEDUP = 3.0  # Queue median >= 3 x bicodec-shm's, at batch 1
+TARGET_SERVER_CPU_US = 20.0  # server CPU per request <= 20 us at batch 16
+TARGET_BATCH = 16
 
 FLOOR = "semaphore floor"
 SHM = "bicodec-shm"
@@ -121,13 +142,15 @@ class _NoopDecoder:
         return self._torch.zeros(b, HOP * t)
 
 
-def _serve_noop(name: str, slots: int, max_batch: int, profile_path: str | None) -> None:
+def _serve_noop(name: str, slots: int, max_batch: int, profile_path: str | None,
+                max_wait_ms: float = 0.0) -> None:  # fmt: skip
     import torch
 
     torch.set_num_threads(1)
     from bicodec_shm.server import DecoderServer
 
-    server = DecoderServer(_NoopDecoder(), name, slots=slots, max_batch=max_batch)
+    server = DecoderServer(_NoopDecoder(), name, slots=slots, max_batch=max_batch,
+                           max_wait_ms=max_wait_ms)  # fmt: skip
     # serve_forever replaces _child_setup's SIGINT handler with its own (stop, then unlink), so
     # Ctrl-C, the parent's SIGTERM and an orphaned server all end in a clean unlink.
     _child_setup(on_orphan=server.stop)
@@ -180,6 +203,31 @@ def _pipe_echo(conn: Any) -> None:
             conn.send(np.zeros(N_SAMPLES, np.int16))
     except EOFError:
         pass  # the parent went away
+
+
+def _concurrent_client(name: str, index: int, iterations: int, warmup: int, start: Any,
+                       results: Any) -> None:  # fmt: skip
+    """One of K client processes: warm up, wait for the common start, time round trips."""
+    _child_setup()
+    client = None
+    try:
+        client = DecoderClient(name, slots=1, timeout=DECODE_TIMEOUT, connect_timeout=START_TIMEOUT)
+        requests = make_requests(64, seed=index + 1)
+        _check_reply(SHM, client.decode(*requests[0]))
+        _timed(lambda r: client.decode(r[0], r[1]), requests, 1, warmup, [])
+        results.put(("ready", index))
+        start.wait()
+        samples: list[float] = []
+        cpu0 = time.process_time()
+        _timed(lambda r: client.decode(r[0], r[1]), requests, 0, iterations, samples)
+        cpu = time.process_time() - cpu0
+        results.put(("done", index, samples, cpu, "torch" in sys.modules))
+    except BaseException:
+        results.put(("error", index, traceback.format_exc()))
+        raise
+    finally:
+        if client is not None:
+            client.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +519,102 @@ def bench_all(transports: tuple[str, ...] = TRANSPORTS, *, iterations: int, warm
     return results
 
 
+def bench_concurrent(clients: int, *, iterations: int, warmup: int,
+                     wait_ms: float = CONCURRENT_WAIT_MS) -> dict[str, Any]:  # fmt: skip
+    """``clients`` processes doing synchronous round trips against one no-op server whose
+    ``max_batch`` is ``clients``; ``iterations`` round trips in all, shared out.
+
+    Returns the samples of every client (seconds), the wall time of the timed part, the
+    server's CPU seconds over it (schedstat, all threads), the clients' CPU seconds (summed),
+    the deltas of the server's counters, and whether any client imported torch.
+    """
+    if clients < 1:
+        raise ValueError(f"clients must be >= 1, got {clients}")
+    ctx = mp.get_context("spawn")
+    name = random_name("bcshm-bench")
+    per_client = max(1, iterations // clients)
+    server = ctx.Process(target=_serve_noop, name="bench-decoder-server", daemon=True,
+                         args=(name, max(SERVER_SLOTS, clients), clients, None, wait_ms))  # fmt: skip
+    start, results = ctx.Event(), ctx.Queue()
+    procs: list[mp.process.BaseProcess] = []
+    out: dict[str, Any] = {"clients": clients, "per_client": per_client, "samples": [],
+                           "client_cpu_s": 0.0, "torch": False, "shm_names": [name]}  # fmt: skip
+    try:
+        server.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not is_serving(name):
+            if not server.is_alive():
+                raise RuntimeError(f"the decoder server exited with code {server.exitcode}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the decoder server did not start within {START_TIMEOUT:.0f} s")
+            time.sleep(0.02)
+        for i in range(clients):
+            proc = ctx.Process(target=_concurrent_client, name=f"bench-client-{i}", daemon=True,
+                               args=(name, i, per_client, warmup, start, results))  # fmt: skip
+            proc.start()
+            procs.append(proc)
+
+        def next_result() -> tuple:
+            item = results.get(timeout=REPLY_TIMEOUT + START_TIMEOUT)
+            if item[0] == "error":
+                raise RuntimeError(f"client {item[1]} failed:\n{item[2]}")
+            return item
+
+        for _ in range(clients):
+            next_result()  # "ready": connected and warmed up
+        before, cpu0 = _server_counters(name), _children_cpu([server])
+        t0 = time.perf_counter()
+        start.set()
+        for _ in range(clients):
+            _, _, samples, cpu, torch_imported = next_result()
+            out["samples"] += samples
+            out["client_cpu_s"] += cpu
+            out["torch"] |= torch_imported
+        out["wall_s"] = time.perf_counter() - t0
+        after, cpu1 = _server_counters(name), _children_cpu([server])
+        out["server_cpu_s"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+        out["server"] = {k: after[k] - before.get(k, 0) for k in after}
+    finally:
+        for proc in procs:
+            _stop_child(proc)
+        if server.pid is not None and server.is_alive():
+            server.terminate()
+        _stop_child(server)
+        results.cancel_join_thread()
+        results.close()
+        unlink_all(name)
+        _check_clean(name)
+    out["exitcodes"] = [p.exitcode for p in procs] + [server.exitcode]
+    return out
+
+
+def _server_counters(name: str) -> dict[str, int]:
+    h = read_header(name)
+    if h is None:
+        return {}
+    return {k: int(h[k]) for k in ("requests", "batches", "queue_wait_ns", "decode_ns")}
+
+
+def summarize_concurrent(result: dict[str, Any]) -> dict[str, Any]:
+    """A concurrent row: round-trip percentiles (us), requests/s, average batch, CPU per request."""
+    stats = summarize({"samples": result["samples"]})
+    server = result.get("server", {})
+    requests, batches = server.get("requests", 0), server.get("batches", 0)
+    n = len(result["samples"])
+    cpu = result.get("server_cpu_s")
+    return {
+        "clients": result["clients"], "n": n, "median_us": stats["median_us"],
+        "p10_us": stats["p10_us"], "p90_us": stats["p90_us"], "p99_us": stats["p99_us"],
+        "requests_per_s": n / result["wall_s"] if result.get("wall_s") else None,
+        "avg_batch_size": requests / batches if batches else None,
+        # Per request the server served in the timed part (its counter), not per sample: the
+        # same number unless a warm-up round trip of a slow client overlapped the timed part.
+        "server_cpu_us": cpu * 1e6 / requests if cpu is not None and requests else None,
+        "client_cpu_us": result["client_cpu_s"] * 1e6 / n if n else None,
+        "server_requests": requests, "server_batches": batches,
+    }  # fmt: skip
+
+
 def bench_semaphore_floor(*, iterations: int = 2000, warmup: int = 200) -> list[float]:
     """Seconds per round trip of the semaphore ping-pong alone."""
     return bench_all((FLOOR,), iterations=iterations, warmup=warmup, rounds=1)[FLOOR]["samples"]
@@ -506,8 +650,9 @@ def summarize(result: dict[str, Any]) -> dict[str, float | None]:
             "server_cpu_us": per_rt(result.get("server_cpu_s"))}  # fmt: skip
 
 
-def compare(stats: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Ratios of medians and the issue's two targets, where both sides were measured."""
+def compare(stats: dict[str, dict[str, float]],
+            concurrent: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:  # fmt: skip
+    """Ratios of medians, and the targets where what they compare was measured."""
     med = {t: s["median_us"] for t, s in stats.items()}
     out: dict[str, Any] = {"vs_floor": {}, "vs_bicodec_shm": {}, "targets": {}}
     for t, m in med.items():
@@ -515,16 +660,23 @@ def compare(stats: dict[str, dict[str, float]]) -> dict[str, Any]:
             out["vs_floor"][t] = m / med[FLOOR]
         if SHM in med:
             out["vs_bicodec_shm"][t] = m / med[SHM]
+    if SHM in med and QUEUE in med:
+        ratio = med[QUEUE] / med[SHM]
+        out["targets"]["faster_than_queue"] = {
+            "goal": f"Queue round trip / bicodec-shm round trip at batch 1 >= {TARGET_QUEUE_SPEEDUP:g}x",
+            "measured": ratio, "unit": "x", "met": ratio >= TARGET_QUEUE_SPEEDUP}  # fmt: skip
+    row = next((r for r in concurrent if r["clients"] == TARGET_BATCH), None)
+    if row is not None and row["server_cpu_us"] is not None:
+        cpu = row["server_cpu_us"]
+        out["targets"]["server_cpu_at_batch_16"] = {
+            "goal": f"server CPU per request at batch {TARGET_BATCH} <= {TARGET_SERVER_CPU_US:g} us "
+                    f"({TARGET_BATCH} clients, avg batch {row['avg_batch_size'] or 0:.1f})",
+            "measured": cpu, "unit": " us", "met": cpu <= TARGET_SERVER_CPU_US}  # fmt: skip
     if SHM in med and FLOOR in med:
         ratio = med[SHM] / med[FLOOR]
         out["targets"]["bicodec_shm_within_floor"] = {
             "goal": f"bicodec-shm median <= {TARGET_FLOOR_RATIO}x semaphore floor",
-            "measured": ratio, "met": ratio <= TARGET_FLOOR_RATIO}  # fmt: skip
-    if SHM in med and QUEUE in med:
-        ratio = med[QUEUE] / med[SHM]
-        out["targets"]["faster_than_queue"] = {
-            "goal": f"Queue median >= {TARGET_QUEUE_SPEEDUP}x bicodec-shm",
-            "measured": ratio, "met": ratio >= TARGET_QUEUE_SPEEDUP}  # fmt: skip
+            "measured": ratio, "unit": "x", "met": ratio <= TARGET_FLOOR_RATIO}  # fmt: skip
     return out
 
 
@@ -548,8 +700,9 @@ def server_breakdown(server: dict[str, int]) -> dict[str, float]:
 
 
 def format_table(stats: dict[str, dict[str, float]], comparison: dict[str, Any],
-                 breakdown: dict[str, float] | None = None) -> str:  # fmt: skip
-    """The results as a plain-text table (times in microseconds)."""
+                 breakdown: dict[str, float] | None = None,
+                 concurrent: Sequence[dict[str, Any]] = ()) -> str:  # fmt: skip
+    """The results as plain-text tables (times in microseconds), then the targets."""
 
     def opt(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -563,32 +716,54 @@ def format_table(stats: dict[str, dict[str, float]], comparison: dict[str, Any],
                      f"{s['mean_us']:.1f}", opt(vf, ".2f") + "x" * (vf is not None),
                      opt(vs, ".2f") + "x" * (vs is not None), opt(s["client_cpu_us"], ".1f"),
                      opt(s["server_cpu_us"], ".1f")))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-
-    def line(r: tuple[str, ...]) -> str:
-        cells = [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
-        return "  ".join([r[0].ljust(widths[0]), *cells])
-
     out = [
         "round-trip wall time and CPU time per round trip (this process, the peer "
-        "process), microseconds",
-        line(rows[0]),
-        line(tuple("-" * w for w in widths)),
+        "process), microseconds; x shm: this transport's median / bicodec-shm's",
+        *_aligned(rows),
     ]
-    out += [line(r) for r in rows[1:]]
+    if breakdown:
+        out += ["", f"bicodec-shm server counters: submit -> batch start "
+                    f"{breakdown['submit_to_batch_us']:.1f} us/request, decode call "
+                    f"{breakdown['decode_call_us']:.1f} us/batch, "
+                    f"avg batch {breakdown['avg_batch_size']:.2f}"]  # fmt: skip
+    if concurrent:
+        crows = [("clients", "avg batch", "median", "p10", "p90", "p99", "req/s",
+                  "server cpu/req", "client cpu/req")]  # fmt: skip
+        if SHM in stats:  # the single-client row above: batch 1
+            s = stats[SHM]
+            crows.append(("1 (above)", opt(breakdown.get("avg_batch_size") if breakdown else None, ".2f"),
+                          f"{s['median_us']:.1f}", f"{s['p10_us']:.1f}", f"{s['p90_us']:.1f}",
+                          f"{s['p99_us']:.1f}", f"{1e6 / s['mean_us']:.0f}",
+                          opt(s["server_cpu_us"], ".1f"), opt(s["client_cpu_us"], ".1f")))  # fmt: skip
+        for r in concurrent:
+            crows.append((str(r["clients"]), opt(r["avg_batch_size"], ".2f"), f"{r['median_us']:.1f}",
+                          f"{r['p10_us']:.1f}", f"{r['p90_us']:.1f}", f"{r['p99_us']:.1f}",
+                          opt(r["requests_per_s"], ".0f"), opt(r["server_cpu_us"], ".1f"),
+                          opt(r["client_cpu_us"], ".1f")))  # fmt: skip
+        out += ["", "bicodec-shm with concurrent client processes (no-op server, max_batch = "
+                    "clients): round trip and CPU per request (server: schedstat of the server "
+                    "process / requests it served; client: the mean over clients), microseconds",
+                *_aligned(crows)]  # fmt: skip
     targets = comparison["targets"]
     if targets:
         goal_w = max(len(v["goal"]) for v in targets.values())
         out += ["", f"{'target'.ljust(goal_w)}  measured  result"]
         for v in targets.values():
             result = "met" if v["met"] else "NOT MET"
-            out.append(f"{v['goal'].ljust(goal_w)}  {v['measured']:7.2f}x  {result}")
-    if breakdown:
-        out += ["", f"bicodec-shm server counters: submit -> batch start "
-                    f"{breakdown['submit_to_batch_us']:.1f} us/request, decode call "
-                    f"{breakdown['decode_call_us']:.1f} us/batch, "
-                    f"avg batch {breakdown['avg_batch_size']:.2f}"]  # fmt: skip
+            measured = f"{v['measured']:.2f}{v.get('unit', 'x')}"
+            out.append(f"{v['goal'].ljust(goal_w)}  {measured.rjust(8)}  {result}")
     return "\n".join(out)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """The first column left-aligned, the rest right-aligned; a rule under the head."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def line(r: tuple[str, ...]) -> str:
+        cells = [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        return "  ".join([r[0].ljust(widths[0]), *cells])
+
+    return [line(rows[0]), line(tuple("-" * w for w in widths)), *(line(r) for r in rows[1:])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,6 +821,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(TRANSPORTS),
         help=f"comma-separated subset of: {', '.join(TRANSPORTS)}",
     )
+    p.add_argument("--clients", default=",".join(map(str, DEFAULT_CLIENTS)), metavar="K,K,...",
+                   help="concurrent rows: K client processes against one no-op server, "
+                        "--iterations round trips in all (default %(default)s; '' for none)")  # fmt: skip
+    p.add_argument("--concurrent-wait-ms", type=float, default=CONCURRENT_WAIT_MS,
+                   help="max_wait_ms of the concurrent rows' server (default %(default)s)")
     p.add_argument("--json", default=default_json, help="results file (default: %(default)s)")
     p.add_argument(
         "--profile",
@@ -664,10 +844,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if bad or not transports:
         p.error(f"--transports: unknown {bad}; choose from {', '.join(TRANSPORTS)}")
     args.transports = tuple(t for t in TRANSPORTS if t in transports)
+    try:
+        args.clients = tuple(int(k) for k in args.clients.split(",") if k.strip())
+    except ValueError:
+        p.error(f"--clients: expected comma-separated integers, got {args.clients!r}")
+    if any(k < 1 for k in args.clients) or args.concurrent_wait_ms < 0:
+        p.error("--clients needs values >= 1 and --concurrent-wait-ms >= 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The same machine record as bench_throughput; imported here, not at the top, so that the
+    # spawned children (which import this module) need not import the bench package.
+    from bicodec_shm.bench.sampling import environment
+
     args = _parse(argv)
     # SIGTERM (e.g. from a CI timeout) unwinds like Ctrl-C, so every finally block runs and
     # every child and /dev/shm object is cleaned up.
@@ -676,16 +866,24 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         raw = bench_all(args.transports, iterations=args.iterations, warmup=args.warmup,
                         rounds=args.rounds, progress=not args.no_progress)  # fmt: skip
+        concurrent_raw = [
+            bench_concurrent(k, iterations=args.iterations, warmup=args.warmup,
+                             wait_ms=args.concurrent_wait_ms)
+            for k in args.clients
+        ]
         elapsed = time.perf_counter() - started
         stats = {t: summarize(raw[t]) for t in args.transports}
-        comparison = compare(stats)
+        concurrent = [summarize_concurrent(r) for r in concurrent_raw]
+        comparison = compare(stats, concurrent)
         breakdown = server_breakdown(raw[SHM]["server"]) if SHM in raw else {}
         print(f"{N_TOKENS} int32 tokens + {N_GLOBAL} int32 globals in, {N_SAMPLES} int16 samples "
               f"out (the floor carries no payload); {args.iterations} round trips per transport "
               f"in {min(args.rounds, args.iterations)} interleaved rounds after {args.warmup} "
               f"warm-up; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}\n")  # fmt: skip
-        print(format_table(stats, comparison, breakdown))
-        failed = {t: r["exitcodes"] for t, r in raw.items() if any(c != 0 for c in r["exitcodes"])}
+        print(format_table(stats, comparison, breakdown, concurrent))
+        exitcodes = {**{t: r["exitcodes"] for t, r in raw.items()},
+                     **{f"{r['clients']} clients": r["exitcodes"] for r in concurrent_raw}}  # fmt: skip
+        failed = {t: codes for t, codes in exitcodes.items() if any(c != 0 for c in codes)}
         if failed:
             print(f"warning: child processes exited abnormally: {failed}", file=sys.stderr)
         report = {
@@ -695,15 +893,19 @@ def main(argv: list[str] | None = None) -> int:
                        "rounds": min(args.rounds, args.iterations),
                        "transports": list(args.transports), "n_tokens": N_TOKENS,
                        "n_global": N_GLOBAL, "n_samples": N_SAMPLES,
-                       "server_slots": SERVER_SLOTS, "server_max_batch": SERVER_MAX_BATCH},
+                       "server_slots": SERVER_SLOTS, "server_max_batch": SERVER_MAX_BATCH,
+                       "clients": list(args.clients),
+                       "concurrent_wait_ms": args.concurrent_wait_ms},
             "environment": environment(),
             "elapsed_s": elapsed,
             "results": stats,
             "comparison": comparison,
             "bicodec_shm_server": breakdown,
-            "child_exitcodes": {t: r["exitcodes"] for t, r in raw.items()},
-            "shm_names": sorted(n for r in raw.values() for n in r["shm_names"]),
-            "client_imported_torch": "torch" in sys.modules,
+            "concurrent": concurrent,
+            "child_exitcodes": exitcodes,
+            "shm_names": sorted([n for r in raw.values() for n in r["shm_names"]] +
+                                [n for r in concurrent_raw for n in r["shm_names"]]),
+            "client_imported_torch": "torch" in sys.modules or any(r["torch"] for r in concurrent_raw),
         }  # fmt: skip
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -1,0 +1,150 @@
+"""A device-shaped stand-in for the decoder, and the ideal batcher it is measured against.
+
+On a GPU a batch costs a fixed launch-and-sync price plus a little per padded token, and the
+host is idle meanwhile. ``StandInDecoder`` plays that: each ``detokenize`` call sleeps
+``a + b·B·T`` ms (B rows, T the padded length) in ``time.sleep``, which holds no CPU and
+releases the GIL, and returns zeros of shape (B, 320·T). Whatever a system adds on top of the
+sleeps is its own overhead, with no CPU contention between model and IPC mixed in.
+
+Calibration of the defaults, from the seed's claim that 10 sequential decodes of ~30 ms each
+cost as much as one batched call of ~35-40 ms, with requests of T = 50 tokens (1 s of audio):
+
+    a + b·1·50  = 30 ms
+    a + b·10·50 = 37.5 ms   (the middle of 35-40)
+    => 450·b = 7.5  =>  b = 1/60 ms ≈ 0.0167 ms per padded token,  a = 30 - 50/60 ≈ 29.17 ms
+
+So a batch of 16 × 50 tokens costs ~42.5 ms where 16 single decodes cost ~480 ms.
+
+The ideal batcher (``ideal_run``): what a perfect batcher with zero IPC overhead achieves with
+this stand-in under the same offered load. The offered load is N closed-loop clients, each
+with one request outstanding, drawing the same request lengths as the measured clients
+(``workload.length_stream``). With zero overhead a client's next request is ready the instant
+its reply is, so every batch is planned from all N outstanding requests, with the same policy
+as the server (``batching.plan_batch``: ``max_batch``, ``max_batch_tokens``), and batches run
+back to back, each costing exactly ``a + b·B·T`` (no sleep overshoot). It is computed, not run:
+simulated time advances by each batch's cost, and, as in a measured window, a batch that
+would end after the window closes is not counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..transport import HOP
+from .workload import Band, Pending, length_stream, plan
+
+IDEAL_DEFINITION = (
+    "N closed-loop clients drawing the measured clients' request lengths; every batch planned "
+    "(batching.plan_batch, the run's max_batch and max_batch_tokens) from all N outstanding "
+    "requests, batches back to back at exactly a + b x rows x longest ms each, zero IPC or "
+    "host overhead; computed, not run; a batch ending after the window is not counted"
+)
+DEFAULT_A_MS = 30.0 - 50 / 60  # ≈ 29.17 ms, see the module docstring
+DEFAULT_B_MS = 1 / 60  # ms per padded token (row x longest length)
+
+
+def cost_ms(batch: int, longest: int, *, a_ms: float, b_ms: float) -> float:
+    """Milliseconds the stand-in sleeps for ``batch`` rows padded to ``longest`` tokens."""
+    return a_ms + b_ms * batch * longest
+
+
+class StandInDecoder:
+    """Sleeps ``a_ms + b_ms·B·T`` per call, holds no CPU, returns zeros.
+
+    Keeps its own accounting (``calls``, ``rows``, ``padded_tokens``, ``planned_s``, the sleep
+    asked for; ``slept_s``, the sleep measured), so that tests need no wall clock.
+    """
+
+    device = "cpu"
+    config = None  # the server then assumes the real vocabularies (8192 semantic, 4096 global)
+
+    def __init__(self, *, a_ms: float = DEFAULT_A_MS, b_ms: float = DEFAULT_B_MS) -> None:
+        if a_ms < 0 or b_ms < 0:
+            raise ValueError(f"stand-in costs must be >= 0 ms, got a={a_ms}, b={b_ms}")
+        self.a_ms = a_ms
+        self.b_ms = b_ms
+        self.calls = 0
+        self.rows = 0
+        self.padded_tokens = 0
+        self.planned_s = 0.0
+        self.slept_s = 0.0
+
+    def __repr__(self) -> str:
+        return f"StandInDecoder(a_ms={self.a_ms:g}, b_ms={self.b_ms:g})"
+
+    def detokenize(self, semantic_ids: Any, global_ids: Any, lengths: Any = None) -> Any:
+        """(B, T) ids, (B, 32) ids, optional (B,) lengths -> (B, 320·T) float32 zeros.
+
+        Torch tensors in give a torch tensor out (the servers); numpy arrays give numpy (the
+        decoder-per-process baseline, which then never imports torch).
+        """
+        b, t = semantic_ids.shape
+        planned = cost_ms(b, t, a_ms=self.a_ms, b_ms=self.b_ms) / 1000
+        t0 = time.perf_counter()
+        time.sleep(planned)
+        self.slept_s += time.perf_counter() - t0
+        self.planned_s += planned
+        self.calls += 1
+        self.rows += b
+        self.padded_tokens += b * t
+        if isinstance(semantic_ids, np.ndarray):
+            return np.zeros((b, HOP * t), np.float32)
+        import torch
+
+        return torch.zeros(b, HOP * t)
+
+
+@dataclass
+class IdealRun:
+    """What the ideal batcher completed: requests, tokens, batch sizes, simulated seconds."""
+
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # the window, or the time to finish every request (count mode)
+    busy_seconds: float = 0.0  # the sum of the batches' costs
+    batch_sizes: list[int] = field(default_factory=list)
+    padded_tokens: int = 0
+
+
+def ideal_run(mix: Sequence[Band], seed: int, n_clients: int, *, max_batch: int,
+              max_batch_tokens: int | None, a_ms: float, b_ms: float,
+              window_s: float | None = None, requests: int | None = None) -> IdealRun:  # fmt: skip
+    """The ideal batcher (module docstring) for ``n_clients``: for ``window_s`` seconds, or
+    until each client has had ``requests`` requests decoded (exactly one must be given)."""
+    if (window_s is None) == (requests is None):
+        raise ValueError("give exactly one of window_s and requests")
+    streams = [itertools.islice(length_stream(mix, seed, i), requests) for i in range(n_clients)]
+    order = itertools.count()  # submission order: requests left out of a batch stay oldest
+    pending = []
+    for i, stream in enumerate(streams):
+        length = next(stream, None)
+        if length is not None:
+            pending.append(Pending(i, length, next(order)))
+    out = IdealRun()
+    while pending:
+        batch = plan(pending, max_batch=max_batch, max_batch_tokens=max_batch_tokens)
+        longest = batch[0].length  # plan_batch sorts longest first
+        cost = cost_ms(len(batch), longest, a_ms=a_ms, b_ms=b_ms) / 1000
+        if window_s is not None and out.seconds + cost > window_s:
+            break  # ends after the window closes: not counted, as in a measured run
+        out.seconds += cost
+        out.busy_seconds += cost
+        out.requests += len(batch)
+        out.tokens += sum(p.length for p in batch)
+        out.padded_tokens += len(batch) * longest
+        out.batch_sizes.append(len(batch))
+        taken = {p.key for p in batch}
+        pending = [p for p in pending if p.key not in taken]
+        for p in batch:  # the client's next request is ready at once: zero overhead
+            length = next(streams[p.key], None)
+            if length is not None:
+                pending.append(Pending(p.key, length, next(order)))
+    if window_s is not None:
+        out.seconds = window_s
+    return out

@@ -17,7 +17,7 @@ import time
 import wave
 from collections.abc import Sequence
 
-from .batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
+from .batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, DEFAULT_MIN_FILL
 from .errors import BiCodecShmError
 from .transport import (
     DEFAULT_MAX_TOKENS,
@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-world-access", action="store_true",
                    help="accept a --mode that lets every user of the host attach (not advised)")  # fmt: skip
     s.add_argument("-v", "--verbose", action="store_true")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on PORT (needs: pip install 'bicodec-shm[metrics]')")
+    s.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
     s.set_defaults(func=_cmd_serve)
 
     st = sub.add_parser("stats", help="print a server's live counters")
@@ -154,6 +157,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="padded-token budget per batch (rows x longest)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="longest request accepted, in tokens (1500 = 30 s)")  # fmt: skip
+    p.add_argument("--min-fill", type=float, default=DEFAULT_MIN_FILL,
+                   help="a row joins a batch only if its shortest row stays >= this share of its "
+                        f"longest (default {DEFAULT_MIN_FILL})")  # fmt: skip
+    p.add_argument("--lanes", type=int, default=None,
+                   help="decode lanes sharing the weights (default: 1 on CUDA, 2 on CPU)")  # fmt: skip
 
 
 def _octal(text: str) -> int:
@@ -226,7 +234,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
         max_batch_tokens=args.max_batch_tokens,
+        min_fill=args.min_fill,
+        lanes=args.lanes,
         max_tokens=args.max_tokens,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         mode=args.mode,
     )
     print(f"bicodec-shm: serving on {args.name!r} (Ctrl-C to stop)", file=sys.stderr, flush=True)

@@ -110,11 +110,15 @@ class DecoderServer:
         reap_interval: seconds between scans for slots of dead clients.
         lanes: decode lanes (threads sharing the weights); None: 1 on CUDA, 2 on CPU.
         start_wait: seconds to wait for a server that is stopping under the same name.
+        metrics_port: serve Prometheus metrics on this TCP port (0: any free port; None: off).
+            Needs the ``[metrics]`` extra (prometheus_client).
+        metrics_host: the address the metrics endpoint binds to.
     """
 
     # Class-level defaults keep close() safe after a failed __init__.
     _segment: Segment | None = None
     _thread: threading.Thread | None = None
+    metrics: Any = None  # a metrics.MetricsExporter while one runs
 
     def __init__(
         self,
@@ -131,6 +135,8 @@ class DecoderServer:
         reap_interval: float = DEFAULT_REAP_INTERVAL,
         lanes: int | None = None,
         start_wait: float = DEFAULT_START_WAIT,
+        metrics_port: int | None = None,
+        metrics_host: str = "0.0.0.0",
     ) -> None:
         validate_name(name)
         if max_batch < 1:
@@ -187,6 +193,14 @@ class DecoderServer:
         )
         self.n_bells = slots
         self._segment.start_serving()
+        if metrics_port is not None:
+            from .metrics import MetricsExporter  # needs prometheus_client: only on this path
+
+            try:
+                self.metrics = MetricsExporter(self._segment, port=metrics_port, host=metrics_host)
+            except BaseException:
+                self._teardown()
+                raise
         log.info(
             "serving %r: %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, "
             "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d (threads each: %s), mode=%o, "
@@ -273,6 +287,9 @@ class DecoderServer:
             seg, self._segment = self._segment, None
             if seg is None:
                 return
+            metrics, self.metrics = self.metrics, None
+            if metrics is not None:
+                metrics.close()
             try:
                 seg.stop_serving()  # clients resubmit whatever is still READY
                 seg.unlink()

@@ -2,8 +2,15 @@
 
 Clients send random requests drawn from a pool whose reference audio (each request decoded alone,
 unpadded, in this process) is written to a file they load with numpy; every result is compared
-with it (float32 within 1e-4, int16 within 1 LSB). Meanwhile clients are SIGKILLed at random and
-replaced, and optionally the server too, restarted after a random pause.
+with it (float32 within 1e-4, int16 within 1 LSB). Each client decodes from two threads at once
+(synchronous calls and asyncio calls). Meanwhile, at random:
+
+- clients are SIGKILLed and replaced;
+- the server is SIGKILLed and restarted after a random pause (``--kill-server-every``);
+- the server gets SIGTERM and a new one is started at once, a rolling restart
+  (``--term-server-every``);
+- a client forks with its asyncio thread running (``--fork-every``): the child decodes a few
+  requests with the handle it inherited, then exits; its parent may be killed meanwhile.
 
 Each client appends one line per event to its own log, line-buffered, so that a killed client
 loses nothing already said: ``S i`` sent, ``O i`` correct, ``W i`` wrong audio, ``E i Kind``
@@ -11,7 +18,8 @@ failed with a clear error. At the end:
 
 - *lost*: sent by a client that was not killed, and never answered (hang or silent loss);
 - *killed in flight*: sent by a client that was then SIGKILLed (not an error of ours);
-- *leaked slots*: slots not FREE once every client is gone and the reaper has run;
+- *leaked slots*: slots not FREE, or bells still locked, once every client is gone and the
+  reaper has run;
 - *left in /dev/shm*: objects of the name after the server's clean stop.
 
 Lost, wrong, leaked and left-over must all be 0.
@@ -24,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +51,9 @@ class SoakResult:
     clients: int
     client_kills: int
     server_kills: int
+    server_term_restarts: int
+    client_forks: int
+    hung_clients: int
     sent: int
     correct: int
     failed_clearly: int
@@ -54,41 +66,110 @@ class SoakResult:
 
     @property
     def ok(self) -> bool:
-        return self.lost == self.wrong_audio == self.leaked_slots == self.left_in_dev_shm == 0
+        return (self.lost == self.wrong_audio == self.leaked_slots == self.left_in_dev_shm
+                == self.hung_clients == 0)  # fmt: skip
 
 
 # -- the client process ------------------------------------------------------------------
 
 
 def client_main(argv: list[str]) -> int:
-    """``python -m bicodec_shm.soak client NAME POOL LOG SEED STOPFILE``"""
+    """``python -m bicodec_shm.soak client NAME POOL LOG SEED STOPFILE FORKS``
+
+    SIGUSR1 asks the client to fork: the child appends "PID LOG" to the file FORKS, decodes
+    ``FORK_REQUESTS`` requests with the handle it inherited, and exits.
+    """
+    import asyncio
+    import signal
+    import threading
+    import warnings
+
     from .client import DecoderClient
     from .errors import BiCodecShmError
 
-    name, pool_path, log_path, seed, stop_file = argv
-    pool = np.load(pool_path)
-    count = len([k for k in pool.files if k.startswith("sem_")])
+    name, pool_path, log_path, seed, stop_file, forks_path = argv
+    with np.load(pool_path) as z:  # read it all now: a lazy NpzFile is not thread- or fork-safe
+        pool = {key: z[key] for key in z.files}
+    count = len([k for k in pool if k.startswith("sem_")])
     rng = random.Random(int(seed))
-    with open(log_path, "a", buffering=1) as log, DecoderClient(
-        name, slots=2, timeout=30, connect_timeout=60
-    ) as client:
-        while not os.path.exists(stop_file):
-            i = rng.randrange(count)
-            dtype = rng.choice(["int16", "float32"])
-            log.write(f"S {i}\n")
+    fork_asked = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: fork_asked.set())
+    log = open(log_path, "a", buffering=1)
+    log_lock = threading.Lock()
+    client = DecoderClient(name, slots=3, timeout=60, connect_timeout=60)
+
+    def note(line: str) -> None:
+        with log_lock:
+            log.write(line + "\n")
+
+    def check(i: int, pcm: np.ndarray, dtype: str) -> bool:
+        ref = pool[f"ref_{i}"]
+        if pcm.shape != ref.shape:
+            return False
+        if dtype == "int16":
+            expected = (np.clip(ref, -1, 1) * 32767).astype(np.int16).astype(np.int32)
+            return int(np.abs(pcm.astype(np.int32) - expected).max()) <= 1
+        return float(np.abs(pcm - ref).max()) <= 1e-4
+
+    def one_sync(r: random.Random) -> None:
+        i, dtype = r.randrange(count), r.choice(["int16", "float32"])
+        note(f"S {i}")
+        try:
+            pcm = client.decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
+        except BiCodecShmError as exc:
+            note(f"E {i} {type(exc).__name__}")
+            return
+        note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
+
+    def async_thread() -> None:
+        r = random.Random(rng.random())
+
+        async def one() -> None:
+            i, dtype = r.randrange(count), r.choice(["int16", "float32"])
+            note(f"S {i}")
             try:
-                pcm = client.decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
+                pcm = await client.decode_async(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
             except BiCodecShmError as exc:
-                log.write(f"E {i} {type(exc).__name__}\n")
-                continue
-            ref = pool[f"ref_{i}"]
-            if dtype == "int16":
-                expected = (np.clip(ref, -1, 1) * 32767).astype(np.int16).astype(np.int32)
-                good = pcm.shape == ref.shape and np.abs(pcm.astype(np.int32) - expected).max() <= 1
-            else:
-                good = pcm.shape == ref.shape and float(np.abs(pcm - ref).max()) <= 1e-4
-            log.write(f"{'O' if good else 'W'} {i}\n")
+                note(f"E {i} {type(exc).__name__}")
+                return
+            note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
+
+        async def loop() -> None:
+            while not os.path.exists(stop_file):
+                await one()
+
+        asyncio.run(loop())
+
+    helper = threading.Thread(target=async_thread, daemon=True)
+    helper.start()
+    while not os.path.exists(stop_file):
+        if fork_asked.is_set():
+            fork_asked.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the point
+                pid = os.fork()
+            if pid == 0:  # the child: the inherited handle, this thread only
+                log.close()
+                log = open(f"{log_path}.fork{os.getpid()}", "a", buffering=1)
+                log_lock = threading.Lock()
+                with open(forks_path, "a") as forks:
+                    forks.write(f"{os.getpid()} {log.name}\n")
+                child_rng = random.Random(os.getpid())
+                for _ in range(FORK_REQUESTS):
+                    if os.path.exists(stop_file):
+                        break
+                    one_sync(child_rng)
+                client.close()
+                log.close()
+                os._exit(0)
+        one_sync(rng)
+    helper.join(90)
+    client.close()
+    log.close()
     return 0
+
+
+FORK_REQUESTS = 20
 
 
 # -- the orchestrator --------------------------------------------------------------------
@@ -118,6 +199,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     work = tempfile.mkdtemp(prefix="bicodec-soak-")
     pool = os.path.join(work, "pool.npz")
     stop_file = os.path.join(work, "stop")
+    forks_path = os.path.join(work, "forks.txt")
     make_pool(pool, preset=args.preset, seed=args.seed, size=args.pool, max_len=args.max_len)
     rng = random.Random(args.seed)
     server_cmd = serve_command(name, "--preset", args.preset, "--seed", str(args.seed),
@@ -125,25 +207,29 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                                "--max-tokens", str(args.max_len))  # fmt: skip
     logs: list[tuple[str, bool]] = []  # (log path, was killed)
     clients: dict[int, tuple[subprocess.Popen, str]] = {}
-    kills = server_kills = 0
+    kills = server_kills = term_restarts = forks = 0
     server = _start(server_cmd)
     wait_until_serving(name, server)
+    t0 = time.monotonic()
 
     def spawn(k: int) -> None:
         log = os.path.join(work, f"client-{len(logs)}.log")
         cmd = [sys.executable, "-m", "bicodec_shm.soak", "client", name, pool, log,
-               str(rng.randrange(2**31)), stop_file]  # fmt: skip
+               str(rng.randrange(2**31)), stop_file, forks_path]  # fmt: skip
         clients[k] = (subprocess.Popen(cmd), log)
+
+    def next_time(every: float, now: float) -> float:
+        return now + rng.uniform(0.5, 1.5) * every if every else float("inf")
 
     try:
         for k in range(args.clients):
             spawn(k)
             logs.append((clients[k][1], False))
         t0 = time.monotonic()
-        never = float("inf")
-        next_client_kill = t0 + rng.uniform(0.2, 2 * args.kill_every) if args.kill_every else never
-        server_every = args.kill_server_every
-        next_server_kill = t0 + rng.uniform(0.5, 1.5) * server_every if server_every else never
+        next_client_kill = t0 + rng.uniform(0.2, 2 * args.kill_every) if args.kill_every else float("inf")
+        next_server_kill = next_time(args.kill_server_every, t0)
+        next_term = next_time(args.term_server_every, t0)
+        next_fork = next_time(args.fork_every, t0)
         with tqdm(total=int(args.duration), desc="soak", unit="s", file=sys.stderr) as bar:
             while (now := time.monotonic()) < t0 + args.duration:
                 if now >= next_client_kill:
@@ -156,6 +242,12 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                     spawn(k)
                     logs.append((clients[k][1], False))
                     next_client_kill = now + rng.uniform(0.1, 2 * args.kill_every)
+                if now >= next_fork:
+                    proc, _ = clients[rng.randrange(args.clients)]
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGUSR1)
+                        forks += 1
+                    next_fork = next_time(args.fork_every, now)
                 if now >= next_server_kill:
                     server.kill()
                     server.wait()
@@ -163,7 +255,18 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                     time.sleep(rng.uniform(0.0, 2.0))  # clients must wait, then resubmit
                     server = _start(server_cmd)
                     wait_until_serving(name, server)
-                    next_server_kill = time.monotonic() + rng.uniform(0.5, 1.5) * args.kill_server_every
+                    next_server_kill = next_time(args.kill_server_every, time.monotonic())
+                if now >= next_term:
+                    # A rolling restart: the new server starts at once and waits for the old
+                    # one to finish its batch and let go of the name.
+                    server.send_signal(signal.SIGTERM)
+                    replacement = _start(server_cmd)
+                    if server.wait(60) != 0:
+                        raise RuntimeError("the server did not stop cleanly on SIGTERM")
+                    server = replacement
+                    wait_until_serving(name, server)
+                    term_restarts += 1
+                    next_term = next_time(args.term_server_every, time.monotonic())
                 time.sleep(0.05)
                 elapsed = min(int(time.monotonic() - t0), int(args.duration))
                 if elapsed > bar.n:
@@ -172,11 +275,13 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
         hung = 0
         for proc, _ in clients.values():
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 hung += 1
                 proc.kill()
                 proc.wait()
+        fork_logs, hung_forks = _finish_forks(forks_path, timeout=90)
+        logs += [(path, False) for path in fork_logs]
         leaked = _leaked_slots(name, wait=2.0)
     finally:
         for proc, _ in clients.values():
@@ -186,12 +291,47 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
         stop_server(server)
     left = len(leftover_objects(name))
     unlink_all(name)
-    result = _tally(logs, args, kills, server_kills, leaked, left, time.monotonic() - t0)
+    result = _tally(logs, args, kills, server_kills, term_restarts, forks, hung + hung_forks,
+                    leaked, left, time.monotonic() - t0)  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-def _tally(logs, args, kills, server_kills, leaked, left, seconds) -> SoakResult:
+def _finish_forks(forks_path: str, timeout: float) -> tuple[list[str], int]:
+    """Logs of the forked children, once they have exited (they are not our children: poll)."""
+    try:
+        with open(forks_path) as f:
+            entries = [line.split() for line in f.read().splitlines() if line.strip()]
+    except OSError:
+        return [], 0
+    deadline = time.monotonic() + timeout
+    hung = 0
+    for pid, _ in entries:
+        while _alive(int(pid)):
+            if time.monotonic() >= deadline:
+                os.kill(int(pid), signal.SIGKILL)
+                hung += 1
+                break
+            time.sleep(0.05)
+    return [path for _, path in entries], hung
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A forked child whose parent died is reparented and reaped; one whose parent lives but
+    # has not waited for it is a zombie: exited all the same.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, left,
+           seconds) -> SoakResult:  # fmt: skip
     sent = correct = failed = killed_in_flight = lost = wrong = 0
     kinds: dict[str, int] = {}
     for path, was_killed in logs:
@@ -222,7 +362,8 @@ def _tally(logs, args, kills, server_kills, leaked, left, seconds) -> SoakResult
             lost += pending
     return SoakResult(
         seconds=round(seconds, 1), clients=args.clients, client_kills=kills,
-        server_kills=server_kills, sent=sent, correct=correct, failed_clearly=failed,
+        server_kills=server_kills, server_term_restarts=term_restarts, client_forks=forks,
+        hung_clients=hung, sent=sent, correct=correct, failed_clearly=failed,
         killed_in_flight=killed_in_flight, lost=lost, wrong_audio=wrong, leaked_slots=leaked,
         left_in_dev_shm=left, errors_by_kind=kinds,
     )  # fmt: skip
@@ -233,7 +374,8 @@ def _start(cmd: list[str]) -> subprocess.Popen:
 
 
 def _leaked_slots(name: str, wait: float) -> int:
-    """Slots still owned once every client has exited and the reaper had ``wait`` seconds."""
+    """Slots still owned, plus bells still locked, once every client has exited and the reaper
+    had ``wait`` seconds."""
     from .transport import Segment
 
     deadline = time.monotonic() + wait
@@ -241,8 +383,10 @@ def _leaked_slots(name: str, wait: float) -> int:
         while True:
             busy = int((seg.slots["state"] != SlotState.FREE).sum())
             if busy == 0 or time.monotonic() >= deadline:
-                return busy
+                break
             time.sleep(0.05)
+        held_bells = [b for b in range(seg.layout.n_slots) if not seg.try_lock_bell(b)]
+    return busy + len(held_bells)
 
 
 def format_result(r: SoakResult) -> str:
@@ -251,6 +395,9 @@ def format_result(r: SoakResult) -> str:
         ("client processes", r.clients),
         ("client kills (SIGKILL)", r.client_kills),
         ("server kills (SIGKILL)", r.server_kills),
+        ("rolling restarts (SIGTERM)", r.server_term_restarts),
+        ("client forks", r.client_forks),
+        ("hung clients", r.hung_clients),
         ("requests sent", r.sent),
         ("completed correctly", r.correct),
         ("failed with a clear error", f"{r.failed_clearly} {r.errors_by_kind or ''}".strip()),
@@ -271,6 +418,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mean seconds between client kills (0: none)")  # fmt: skip
     p.add_argument("--kill-server-every", type=float, default=0.0,
                    help="mean seconds between server kills (0: none)")  # fmt: skip
+    p.add_argument("--term-server-every", type=float, default=0.0,
+                   help="mean seconds between rolling restarts: SIGTERM + a new server (0: none)")
+    p.add_argument("--fork-every", type=float, default=0.0,
+                   help="mean seconds between client forks (0: none)")  # fmt: skip
     p.add_argument("--preset", default="tiny", choices=("tiny", "spark-tts-0.5b"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slots", type=int, default=64)

@@ -48,8 +48,8 @@ def plan_batch(
         (B,) indices into the arrays, 1 <= B <= R when R > 0, longest first.
     """
     n = len(lengths)
-    if n == 0:
-        return np.zeros(0, np.int64)
+    if n <= 1:
+        return np.zeros(n, np.int64)
     longest, shortest = int(lengths.max()), int(lengths.min())
     if (
         n <= max_batch

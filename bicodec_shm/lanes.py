@@ -1,8 +1,8 @@
-"""Decode lanes: worker threads of the server that run planned batches through the model.
+"""Decode lanes: the server's threads that plan, run and publish batches.
 
-A lane takes the next planned ``Batch`` (slot_io.py) from the dispatcher's queue, runs it
-through the decoder, converts the audio to each row's output dtype *on the device* (int16 rows
-come back at half the bytes), copies it to the host once, and publishes it into the slots.
+A free lane plans the next ``Batch`` (slot_io.py) itself (lanes take turns as dispatcher),
+runs it through the decoder, converts the audio to each row's output dtype *on the device*
+(int16 rows come back at half the bytes), copies it to the host once, and publishes it.
 
 - **CPU**: K lanes share one copy of the weights and split the cores between them (each lane
   sets its own intra-op thread count): on this 2-core machine two 1-thread decodes beat one
@@ -17,7 +17,6 @@ come back at half the bytes), copies it to the host once, and publishes it into 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +56,12 @@ class _InFlight:
         return self.decoded
 
 
+_ALL = np.arange(256)  # row indices, made once
+# The clip ufunc itself: np.clip's Python wrapper costs more than the clipping of a row.
+_clip = getattr(np, "_core", getattr(np, "core", None)).umath.clip
+_NONE = np.zeros(0, np.int64)
+
+
 class Runner:
     """Runs batches on the decoder's device; returns host arrays of each row's output dtype.
 
@@ -72,6 +77,7 @@ class Runner:
         self.cuda = device.type == "cuda"
         self._pinned: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
         self._flip = 0
+        self._scratch: dict[type, np.ndarray] = {}  # CPU conversion buffers, reused
 
     def launch(self, batch: Batch) -> _InFlight:
         t0 = time.perf_counter_ns()
@@ -84,22 +90,28 @@ class Runner:
         )
         if out.dim() != 2 or out.shape[0] != b or out.shape[1] < n:
             raise RuntimeError(f"decoder returned shape {tuple(out.shape)}, expected ({b}, {n})")
-        out = out[:, :n]
         dtypes = batch.requests.dtypes
-        rows16 = np.flatnonzero(dtypes == 0)
-        rows32 = np.flatnonzero(dtypes != 0)
-        dev16 = dev32 = None
-        if len(rows16):
-            part = out if len(rows16) == b else out[torch.from_numpy(rows16).to(out.device)]
-            # The seed's conversion: clip, scale by 32767 in float32, truncate toward zero.
-            # clamp() makes a new tensor: the decoder's own output is never changed in place.
-            dev16 = torch.clamp(part.float(), -1.0, 1.0).mul_(32767.0).to(torch.int16)
-        if len(rows32):
-            dev32 = (out if len(rows32) == b else out[torch.from_numpy(rows32).to(out.device)]).float()
+        n16 = int(np.count_nonzero(dtypes == 0))
+        if n16 == b:  # the common case: every row wants int16
+            rows16, rows32 = _ALL[:b] if b <= len(_ALL) else np.arange(b), _NONE
+        else:
+            rows16, rows32 = np.flatnonzero(dtypes == 0), np.flatnonzero(dtypes != 0)
         if not self.cuda:
-            host16 = None if dev16 is None else dev16.numpy()
-            host32 = None if dev32 is None else dev32.numpy()
+            # numpy on the CPU: a numpy call costs about a third of a torch call here, and the
+            # conversion goes into buffers of our own (no fresh pages per batch, and the
+            # decoder's own output is never changed in place).
+            audio = out.detach().float().numpy()[:, :n]  # (B, N) float32, a view
+            host16 = self._to_int16(audio if n16 == b else audio[rows16]) if n16 else None
+            host32 = None if n16 == b else (audio if n16 == 0 else audio[rows32])
             return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0)
+        out = out[:, :n].float()
+        dev16 = dev32 = None
+        if n16:
+            part = out if n16 == b else out[torch.from_numpy(rows16).to(out.device)]
+            # The seed's conversion, on the device: half the bytes come back.
+            dev16 = torch.clamp(part, -1.0, 1.0).mul_(32767.0).to(torch.int16)
+        if n16 < b:
+            dev32 = out if n16 == 0 else out[torch.from_numpy(rows32).to(out.device)]
         buffers = self._pinned[self._flip]
         self._flip ^= 1
         host16 = None if dev16 is None else self._to_pinned(buffers, dev16)
@@ -107,6 +119,25 @@ class Runner:
         event = torch.cuda.Event()
         event.record()
         return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event)
+
+    def _to_int16(self, audio: np.ndarray) -> np.ndarray:
+        """The seed's conversion of ``audio`` (B, N) float32: clip, scale by 32767 in float32,
+        truncate toward zero. Two passes: the scaling writes int16 directly, with the same
+        unsafe (truncating) cast that ``astype`` uses."""
+        clipped = self._buffer(np.float32, audio.shape)
+        _clip(audio, np.float32(-1.0), np.float32(1.0), out=clipped)
+        pcm = self._buffer(np.int16, audio.shape)
+        np.multiply(clipped, np.float32(32767), out=pcm, casting="unsafe")
+        return pcm
+
+    def _buffer(self, dtype: type, shape: tuple[int, int]) -> np.ndarray:
+        """A reused CPU array of ``shape`` (a lane publishes a batch before its next one)."""
+        numel = shape[0] * shape[1]
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < numel:
+            buf = np.empty(max(numel, 1 << 16), dtype)
+            self._scratch[dtype] = buf
+        return buf[:numel].reshape(shape)
 
     def _to_pinned(self, buffers: dict[torch.dtype, torch.Tensor], x: torch.Tensor) -> np.ndarray:
         """Start one non-blocking device-to-host copy of ``x`` into a reused pinned buffer."""
@@ -119,37 +150,50 @@ class Runner:
         return view.numpy()
 
 
-class Lane(threading.Thread):
-    """One decode worker: takes batches from ``work`` until it gets None.
+STOP = object()  # what ``take`` returns once the server is stopping
+
+
+class Lane:
+    """One decode worker. Lanes take turns as the dispatcher (leader/followers): a free lane
+    plans the next batch itself, under the server's dispatch lock, then decodes and publishes
+    it. So a batch is planned only when a lane is free to run it (it had time to grow), and a
+    request never waits for a hand-off between threads.
 
     Args:
-        index: the lane's number (for logs).
-        work: the dispatcher's queue of planned batches.
+        index: the lane's number (for logs and host-gap accounting).
         runner: runs a batch on the device.
-        publish: writes a decoded batch into its slots (``(batch, decoded) -> None``).
+        take: ``take(block)`` -> the next ``Batch``; None if ``block`` is False and nothing
+            is ready; ``STOP`` once the server is stopping.
+        publish: writes a decoded batch into its slots (``(batch, decoded, ns) -> None``).
         fail: answers one row with an error (``(batch, row, message) -> None``).
-        started: called with (batch, lane index) when the lane takes a batch.
+        started: called with (batch, lane index) when the lane starts a batch.
         finished: called likewise once all of the batch's rows are answered.
         threads: intra-op CPU threads for this lane (None: leave torch's setting).
         pipeline: overlap publishing batch k-1 with running batch k (CUDA).
     """
 
-    def __init__(self, index: int, work: queue.SimpleQueue, runner: Runner, *,
+    def __init__(self, index: int, runner: Runner, *,
+                 take: Callable[[bool], Any],
                  publish: Callable[[Batch, Decoded, int], None],
                  fail: Callable[[Batch, int, str], None],
                  started: Callable[[Batch, int], None],
                  finished: Callable[[Batch, int], None],
                  threads: int | None, pipeline: bool) -> None:  # fmt: skip
-        super().__init__(name=f"bicodec-shm-lane-{index}", daemon=True)
         self.index = index
-        self.work = work
         self.runner = runner
+        self._take = take
         self._on_publish, self._on_fail = publish, fail
         self._on_start, self._on_finish = started, finished
         self.threads = threads
         self.pipeline = pipeline
 
+    def start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run, name=f"bicodec-shm-lane-{self.index}", daemon=True)
+        thread.start()
+        return thread
+
     def run(self) -> None:
+        """Take, decode and publish batches until the server stops (in the calling thread)."""
         if self.threads:
             torch.set_num_threads(self.threads)  # per thread: this lane's share of the cores
         with torch.inference_mode():
@@ -159,10 +203,7 @@ class Lane(threading.Thread):
                 self._run_sequential()
 
     def _run_sequential(self) -> None:
-        while True:
-            batch = self.work.get()
-            if batch is None:
-                return
+        while (batch := self._take(True)) is not STOP:
             self._on_start(batch, self.index)
             try:
                 self._decode(batch)
@@ -174,12 +215,9 @@ class Lane(threading.Thread):
     def _run_pipelined(self) -> None:
         prev: _InFlight | None = None
         while True:
-            try:
-                batch = self.work.get(block=prev is None)
-            except queue.Empty:
-                batch = False  # nothing new yet: finish the batch in flight first
+            batch = self._take(prev is None)  # with a batch in flight: only what is ready now
             current = None
-            if batch:
+            if batch is not None and batch is not STOP:
                 self._on_start(batch, self.index)
                 try:
                     current = self.runner.launch(batch)
@@ -189,7 +227,7 @@ class Lane(threading.Thread):
             if prev is not None:
                 self._complete(prev)
             prev = current
-            if batch is None:
+            if batch is STOP:
                 return
 
     def _complete(self, inflight: _InFlight) -> None:

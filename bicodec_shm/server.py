@@ -1,31 +1,34 @@
-"""The decoder server: owns the segment and the model; dispatches batches to decode lanes.
+"""The decoder server: owns the segment and the model; its lanes plan, decode and publish.
 
-Threads of one ``DecoderServer``::
+Threads of one ``DecoderServer``: K decode lanes (lanes.py), lane 0 in ``serve_forever``'s own
+thread. Lanes take turns as the dispatcher (leader/followers): a free lane takes the dispatch
+lock and::
 
-    dispatcher (serve_forever's thread)          lanes (lanes.py), K threads
-    ───────────────────────────────────          ──────────────────────────────
-    wait on the ready doorbell                   take the next planned batch
-    take req.I of each READY slot (pairing)      run it on the device, convert on device
-    validate the copied headers                  copy to the host once
-    plan a batch (batching.py)                   publish: PCM, fields, state, posts
-    copy + validate the ids the model will see   release its slots and a lane's capacity
-    mark BUSY, hold the slots, queue the batch
-    reap slots of dead clients (never a held one)
+    waits on the ready doorbell (in slices; it reaps slots of dead clients on each tick)
+    takes req.I of each READY slot (the pairing operation; see transport.py)
+    validates private copies of the headers, plans a batch (batching.py)
+    copies and validates the ids the model will see, marks BUSY, holds the slots
 
-The dispatcher plans a batch only when a lane (plus one batch of prefetch on CUDA) is free, so
-batches grow with the load instead of being cut early. Slots in a planned or running batch are
-*held*: the reaper never touches them, so no slot is reclaimed or rewritten while a lane has it.
+then releases the lock (the next free lane plans the next batch) and, outside it::
+
+    runs the batch on the device, converts on the device, copies to the host once
+    publishes: PCM, fields, state, counters, posts; releases the slots
+
+So a batch is planned only when a lane is free to run it (batches grow with the load instead of
+being cut early), and a request never waits for a hand-off between threads. Slots in a planned
+or running batch are *held*: the reaper never touches them, so no slot is reclaimed or
+rewritten while a lane has it.
 
 Lifecycle: the constructor owns the name (transport.py: locks, not pids) and starts serving;
-``serve_forever`` runs until ``stop()``, SIGINT or SIGTERM; then it finishes every batch the
-lanes hold, stops serving (clients resubmit what is left, as after a crash: a rolling restart
-loses nothing), unlinks everything and releases the name.
+``serve_forever`` runs until ``stop()``, SIGINT or SIGTERM; then every lane finishes the batch it
+holds, the server stops serving (clients resubmit what is left, as after a crash: a rolling
+restart loses nothing), unlinks everything and releases the name.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
-import queue
 import signal
 import threading
 import time
@@ -43,20 +46,13 @@ from .batching import (
     plan_batch,
 )
 from .errors import ServerUnavailableError
-from .lanes import Decoded, Lane, Runner
+from .lanes import STOP, Decoded, Lane, Runner
 from .slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
 from .transport import (
-    C_BATCHES,
-    C_DECODE,
     C_FAILED,
     C_HOST_GAP,
-    C_LANE_BUSY,
-    C_LATENCY,
-    C_PADDED,
-    C_QUEUE_WAIT,
     C_RECLAIMED,
     C_REQUESTS,
-    C_TOKENS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODE,
     DEFAULT_SLOTS,
@@ -64,6 +60,7 @@ from .transport import (
     FREE,
     HIST_BINS,
     N_STATUS,
+    N_TIME_BINS,
     READY,
     TIME_BUCKETS,
     Segment,
@@ -79,7 +76,8 @@ DEFAULT_START_WAIT = 30.0  # seconds to wait for a stopping predecessor (rolling
 # Lanes on CPU, from the sweep in benchmarks/RESULTS.md: on 2 cores two 1-thread lanes decode
 # 1.24x what one 2-thread decode does.
 DEFAULT_CPU_LANES = 2
-_BUCKETS_NS = np.array([b * 1e9 for b in TIME_BUCKETS])
+_BUCKETS = [int(b * 1e9) for b in TIME_BUCKETS]  # upper bounds, ns; bisect_left: "le" bins
+_BUCKETS_NS = np.array(_BUCKETS, np.int64)
 
 
 class Detokenizer(Protocol):
@@ -177,8 +175,8 @@ class DecoderServer:
         self._held_lock = threading.Lock()
         self._counters_lock = threading.Lock()
         self._confirmed: set[int] = set()  # READY slots whose req.I was taken, not yet batched
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._capacity = threading.Semaphore(self.lanes + int(self._pipeline))
+        self._dispatch = threading.Lock()  # held by the lane that plans the next batch
+        self._next_reap = time.monotonic()
         self._lane_idle_since = [time.monotonic_ns()] * self.lanes
         self._segment = Segment.create(
             name,
@@ -221,23 +219,21 @@ class DecoderServer:
     def serve_forever(self) -> None:
         """Serve until ``stop()``, SIGINT or SIGTERM; then finish running batches and unlink."""
         restore = self._install_signal_handlers()
-        runner = Runner(self.decoder, self.device)
         lanes = [
-            Lane(i, self._work, runner, publish=self._publish, fail=self._fail_row,
+            Lane(i, Runner(self.decoder, self.device), take=self._take, publish=self._publish,
+                 fail=self._fail_row,
                  started=self._lane_started, finished=self._lane_finished,
                  threads=self.threads_per_lane, pipeline=self._pipeline)
             for i in range(self.lanes)
         ]  # fmt: skip
+        threads: list[threading.Thread] = []
         try:
-            for lane in lanes:
-                lane.start()
-            self._dispatch_loop()
+            threads = [lane.start_thread() for lane in lanes[1:]]
+            lanes[0].run()
         finally:
-            for _ in lanes:
-                self._work.put(None)  # after every queued batch: those are finished first
-            for lane in lanes:
-                if lane.is_alive():
-                    lane.join()
+            self.stop()
+            for thread in threads:
+                thread.join()  # each finishes the batch it holds
             restore()
             self._teardown()
             self._stopped.set()
@@ -299,26 +295,24 @@ class DecoderServer:
 
     # -- dispatching ------------------------------------------------------------------------
 
-    def _dispatch_loop(self) -> None:
-        self._next_reap = time.monotonic()
-        while not self._stop.is_set():
-            # A free lane first: a batch planned later is a batch that had time to grow.
-            if not self._capacity.acquire(timeout=self.reap_interval):
-                self._reap_if_due()
-                continue
-            batch = self._next_batch()
-            if batch is None:
-                self._capacity.release()
-                continue
-            self._work.put(batch)
+    def _take(self, block: bool) -> Batch | object | None:
+        """The next batch for a free lane (see ``Lane``): ``STOP`` once stopping; None if
+        ``block`` is False and nothing is ready."""
+        with self._dispatch:
+            if self._stop.is_set():
+                return STOP
+            batch = self._next_batch(block)
+            return STOP if batch is None and self._stop.is_set() else batch
 
-    def _next_batch(self) -> Batch | None:
-        """Wait for ready requests and plan, gather and hold the next batch (None: stopping)."""
+    def _next_batch(self, block: bool) -> Batch | None:
+        """Wait for ready requests; plan, gather and hold the next batch."""
         seg = self.segment
         while not self._stop.is_set():
             self._reap_if_due()
             ready = self._ready_requests(seg)
             if ready is None:
+                if not block:
+                    return None
                 self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
                 continue
             if self.max_wait_ms > 0 and len(ready) < self.max_batch:
@@ -340,28 +334,18 @@ class DecoderServer:
     def _ready_requests(self, seg: Segment) -> Requests | None:
         """Every READY slot whose request may be read (its req.I taken), validated."""
         drain(seg.ready)  # wake-ups only: everything READY is looked at below
-        states = seg.field["state"]
-        with self._held_lock:
-            held = set(self._held)
-        for slot in np.flatnonzero(states == READY).tolist():  # a hint: req.I decides
-            if slot in self._confirmed or slot in held:
-                continue
-            try:
-                seg.req(slot).acquire(0)
-            except posix_ipc.BusyError:
-                continue  # its client has not posted yet; its ready post will wake us
-            self._confirmed.add(slot)
-        for slot in np.flatnonzero(states > DONE).tolist():
-            if slot not in held:
-                self._answer_failure(slot, Status.BAD_STATE, f"slot {slot} has unknown state "
-                                     f"value {int(states[slot])}")  # fmt: skip
-        if not self._confirmed:
+        confirmed, held = self._confirmed, self._held  # (membership tests only: GIL-atomic)
+        for slot in (seg.field["state"] == READY).nonzero()[0].tolist():  # a hint: req.I decides
+            if slot not in confirmed and slot not in held and _take_post(seg.req(slot)):
+                confirmed.add(slot)
+        if not confirmed:
             return None
-        slots = np.fromiter(sorted(self._confirmed), np.int64)
+        slots = np.fromiter(sorted(confirmed), np.int64, len(confirmed))
         requests, failures = check_headers(seg, slots, n_bells=self.n_bells)
         for slot, status, message in failures:
             self._answer_failure(slot, status, message)
-        self._confirmed = set(requests.slots.tolist())
+        if len(requests) != len(slots):
+            self._confirmed = set(requests.slots.tolist())
         return requests if len(requests) else None
 
     def _let_batch_grow(self, seg: Segment, ready: Requests) -> Requests:
@@ -388,23 +372,32 @@ class DecoderServer:
         req = batch.requests
         done_ns = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
         rows, longest = len(req), int(batch.semantic.shape[1])
-        queued = (batch.started_ns - req.submitted_ns.astype(np.int64)).clip(0)
-        latency = (done_ns - req.submitted_ns.astype(np.int64)).clip(0)
-        h = seg.header
+        if rows == 1:  # Python scalars: the common case at low load
+            submitted = int(req.submitted_ns[0])
+            queued, latency = max(0, batch.started_ns - submitted), max(0, done_ns - submitted)
+            tokens, queued_sum, latency_sum = int(req.lengths[0]), queued, latency
+            bins = [bisect.bisect_left(_BUCKETS, queued), N_TIME_BINS + bisect.bisect_left(_BUCKETS, latency)]
+        else:
+            submitted_ns = req.submitted_ns.astype(np.int64)
+            queued_ns = (batch.started_ns - submitted_ns).clip(0)
+            latency_ns = (done_ns - submitted_ns).clip(0)
+            tokens = int(req.lengths.sum())
+            queued_sum, latency_sum = int(queued_ns.sum()), int(latency_ns.sum())
+            bins = np.concatenate((np.searchsorted(_BUCKETS_NS, queued_ns),
+                                   np.searchsorted(_BUCKETS_NS, latency_ns) + N_TIME_BINS)).tolist()
+        bins.append(2 * N_TIME_BINS + bisect.bisect_left(_BUCKETS, elapsed_ns))
+        # Every counter of the batch in one add (C_* order).
+        delta = np.array([rows, 1, 0, 0, tokens, rows * longest, queued_sum, elapsed_ns, latency_sum,
+                          0, elapsed_ns], np.uint64)  # fmt: skip
         with self._counters_lock:
-            c = seg.counters
-            c[C_REQUESTS] += rows
-            c[C_BATCHES] += 1
-            c[C_TOKENS] += int(req.lengths.sum())
-            c[C_PADDED] += rows * longest
-            c[C_DECODE] += elapsed_ns
-            c[C_LANE_BUSY] += elapsed_ns
-            c[C_QUEUE_WAIT] += int(queued.sum())
-            c[C_LATENCY] += int(latency.sum())
-            h["batch_hist"][min(rows, HIST_BINS - 1)] += 1
-            np.add.at(h["queue_hist"], np.searchsorted(_BUCKETS_NS, queued), 1)
-            np.add.at(h["latency_hist"], np.searchsorted(_BUCKETS_NS, latency), 1)
-            h["decode_hist"][np.searchsorted(_BUCKETS_NS, elapsed_ns)] += 1
+            seg.counters += delta
+            h = seg.histograms
+            if rows == 1:
+                for i in bins:
+                    h[i] += 1
+            else:
+                h += np.bincount(bins, minlength=3 * N_TIME_BINS).astype(np.uint64)
+            seg.header["batch_hist"][min(rows, HIST_BINS - 1)] += 1
         ring(seg, req.slots.tolist(), req.notify.tolist())
 
     def _fail_row(self, batch: Batch, row: int, message: str) -> None:
@@ -445,7 +438,6 @@ class DecoderServer:
             self._held.difference_update(batch.slots.tolist())
         with self._counters_lock:
             self.segment.header["busy_lanes"] -= 1
-        self._capacity.release()
 
     # -- reaping ----------------------------------------------------------------------------
 
@@ -465,6 +457,12 @@ class DecoderServer:
         f = seg.field
         with self._held_lock:
             held = set(self._held)
+        # Unknown state words come only from a buggy or hostile client: answer them here, at
+        # the reaper's pace, rather than scan for them on every request.
+        for slot in (f["state"] > DONE).nonzero()[0].tolist():
+            if slot not in held:
+                self._answer_failure(slot, Status.BAD_STATE,
+                                     f"slot {slot} has unknown state value {int(f['state'][slot])}")
         reclaimed = 0
         for slot in np.flatnonzero(f["state"] != FREE).tolist():
             if slot in held or not seg.try_lock_slot(slot):
@@ -509,6 +507,15 @@ class DecoderServer:
                 signal.signal(sig, old)
 
         return restore
+
+
+def _take_post(sem: posix_ipc.Semaphore) -> bool:
+    """Take one post of ``sem`` if there is one, without blocking."""
+    try:
+        sem.acquire(0)
+        return True
+    except posix_ipc.BusyError:
+        return False
 
 
 def _device_of(decoder: object) -> torch.device:

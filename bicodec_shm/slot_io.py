@@ -24,11 +24,10 @@ from .transport import (
     N_GLOBAL,
     NO_BELL,
     READY,
+    SLOT_DT,
     Segment,
     Status,
 )
-
-_OUTPUT_DTYPES = np.array([0, 1], np.uint32)  # OutputDtype values
 
 
 @dataclass
@@ -44,6 +43,8 @@ class Requests:
 
     def take(self, index: np.ndarray | list[int]) -> Requests:
         """The rows ``index`` as a new ``Requests``."""
+        if len(self.slots) == 1 and len(index) == 1:
+            return self
         return Requests(*(a[index] for a in (self.slots, self.lengths, self.seqs, self.dtypes,
                                                self.notify, self.submitted_ns)))  # fmt: skip
 
@@ -90,44 +91,90 @@ def check_headers(seg: Segment, slots: np.ndarray, *, n_bells: int) -> tuple[Req
 
     Returns the valid rows and a failure for each invalid one; rows not READY are dropped.
     """
+    if len(slots) == 1:
+        return _check_one(seg, int(slots[0]), n_bells=n_bells)
     rows = seg.slots[slots]  # a private copy of each header: later client writes cannot reach it
     n = rows["n_tokens"].astype(np.int64)
-    max_tokens = seg.layout.max_tokens
-    problems: dict[int, tuple[int, str]] = {}
+    notify = rows["notify"]
     # req.I was posted but the slot is not READY: no request of a well-behaved client (they
     # post only after READY, and claims and reaps drain stale posts). Ignore it rather than
     # write a result into a slot its owner may be filling right now.
     stray = rows["state"] != READY
-
-    def fail(mask: np.ndarray, status: Status, message) -> None:
-        for j in np.flatnonzero(mask).tolist():
-            problems.setdefault(j, (status, message(j)))
-
-    fail((n < 1) | (n > max_tokens), Status.BAD_LENGTH,
-         lambda j: f"semantic length {int(n[j])} is outside 1..{max_tokens}")
-    fail(rows["n_global"] != N_GLOBAL, Status.BAD_GLOBAL,
-         lambda j: f"{int(rows['n_global'][j])} global ids, expected {N_GLOBAL}")
-    fail(~np.isin(rows["dtype"], _OUTPUT_DTYPES), Status.BAD_DTYPE,
-         lambda j: f"unknown output dtype code {int(rows['dtype'][j])}")
-    fail(rows["req_generation"] != rows["generation"], Status.STALE_GENERATION,
-         lambda j: (f"request names slot generation {int(rows['req_generation'][j])} but the "
-                    f"slot is at {int(rows['generation'][j])} (it was reclaimed)"))
-    fail((rows["notify"] != NO_BELL) & (rows["notify"] >= n_bells), Status.BAD_NOTIFY,
-         lambda j: f"bell index {int(rows['notify'][j])} out of range")  # fmt: skip
-    for j in np.flatnonzero(stray).tolist():
-        problems.pop(j, None)
-    failures = [(int(slots[j]), status, msg) for j, (status, msg) in sorted(problems.items())]
+    bad = (
+        (n < 1) | (n > seg.layout.max_tokens)
+        | (rows["n_global"] != N_GLOBAL)
+        | (rows["dtype"] > 1)  # OutputDtype: 0 int16, 1 float32
+        | (rows["req_generation"] != rows["generation"])
+        | ((notify != NO_BELL) & (notify >= n_bells))
+    )  # fmt: skip
+    failures: list[Failure] = []
+    if bad.any():  # the rare path: name the first problem of each bad row
+        bad &= ~stray
+        failures = [(int(slots[j]), *_problem(rows[j], seg.layout.max_tokens, n_bells))
+                    for j in np.flatnonzero(bad).tolist()]  # fmt: skip
+        stray |= bad
     ok = ~stray
-    ok[list(problems)] = False
     requests = Requests(
         slots=np.asarray(slots, np.int64)[ok],
         lengths=n[ok],
         seqs=rows["request_seq"][ok],
         dtypes=rows["dtype"][ok],
-        notify=rows["notify"][ok],
+        notify=notify[ok],
         submitted_ns=rows["t_submit_ns"][ok],
     )
     return requests, failures
+
+
+_FIELD = {name: i for i, name in enumerate(SLOT_DT.names)}
+
+
+def _check_one(seg: Segment, slot: int, *, n_bells: int) -> tuple[Requests, list[Failure]]:
+    """``check_headers`` for a single slot, with Python scalars: the common case at low load
+    costs a few microseconds instead of a dozen numpy calls."""
+    row = seg.slots[slot].copy()  # a private copy, as above
+    v = row.item()
+    n, notify = v[_FIELD["n_tokens"]], v[_FIELD["notify"]]
+    if v[_FIELD["state"]] != READY:
+        return _empty_requests(), []
+    if (
+        not 1 <= n <= seg.layout.max_tokens
+        or v[_FIELD["n_global"]] != N_GLOBAL
+        or v[_FIELD["dtype"]] > 1
+        or v[_FIELD["req_generation"]] != v[_FIELD["generation"]]
+        or (notify != NO_BELL and notify >= n_bells)
+    ):
+        return _empty_requests(), [(slot, *_problem(row, seg.layout.max_tokens, n_bells))]
+    requests = Requests(
+        slots=np.array([slot], np.int64),
+        lengths=np.array([n], np.int64),
+        seqs=np.array([v[_FIELD["request_seq"]]], np.uint64),
+        dtypes=np.array([v[_FIELD["dtype"]]], np.uint32),
+        notify=np.array([notify], np.uint32),
+        submitted_ns=np.array([v[_FIELD["t_submit_ns"]]], np.uint64),
+    )
+    return requests, []
+
+
+def _empty_requests() -> Requests:
+    return Requests(*(np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint64, np.uint32,
+                                                 np.uint32, np.uint64)))  # fmt: skip
+
+
+def _problem(row: np.void, max_tokens: int, n_bells: int) -> tuple[int, str]:
+    """(Status, message) of the first thing wrong with one slot header."""
+    n = int(row["n_tokens"])
+    if not 1 <= n <= max_tokens:
+        return Status.BAD_LENGTH, f"semantic length {n} is outside 1..{max_tokens}"
+    if int(row["n_global"]) != N_GLOBAL:
+        return Status.BAD_GLOBAL, f"{int(row['n_global'])} global ids, expected {N_GLOBAL}"
+    if int(row["dtype"]) > 1:
+        return Status.BAD_DTYPE, f"unknown output dtype code {int(row['dtype'])}"
+    if int(row["req_generation"]) != int(row["generation"]):
+        return Status.STALE_GENERATION, (
+            f"request names slot generation {int(row['req_generation'])} but the slot is at "
+            f"{int(row['generation'])} (it was reclaimed)"
+        )
+    return Status.BAD_NOTIFY, f"bell index {int(row['notify'])} out of range"
 
 
 def gather(seg: Segment, req: Requests, *, semantic_vocab: int, global_vocab: int,
@@ -136,14 +183,25 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int, global_vocab: in
 
     Rows with an id out of range fail alone; the others form the batch (None if none is left).
     """
-    t = int(req.lengths.max())
-    semantic = seg.tokens[req.slots, :t].astype(np.int64)  # (B, T): a private copy
-    valid = np.arange(t) < req.lengths[:, None]  # (B, T)
-    semantic[~valid] = 0  # the padding: whatever the slot held there is not ours to decode
-    global_ids = seg.globals[req.slots].astype(np.int64)  # (B, 32)
-    bad_sem = ((semantic < 0) | (semantic >= semantic_vocab)).any(axis=1)
-    bad_glb = ((global_ids < 0) | (global_ids >= global_vocab)).any(axis=1)
+    if len(req) == 1:  # slices, not fancy indexing: the common case at low load
+        s = int(req.slots[0])
+        t = int(req.lengths[0])
+        semantic = seg.tokens[s : s + 1, :t].astype(np.int64)  # (1, T): a private copy
+        global_ids = seg.globals[s : s + 1].astype(np.int64)  # (1, 32)
+    else:
+        t = int(req.lengths.max())
+        semantic = seg.tokens[req.slots, :t].astype(np.int64)  # (B, T): a private copy
+        if int(req.lengths.min()) < t:
+            # The padding: whatever the slot holds there is not ours to decode.
+            semantic[np.arange(t) >= req.lengths[:, None]] = 0
+        global_ids = seg.globals[req.slots].astype(np.int64)  # (B, 32)
     failures: list[Failure] = []
+    if (0 <= semantic.min() and semantic.max() < semantic_vocab
+            and 0 <= global_ids.min() and global_ids.max() < global_vocab):  # fmt: skip
+        bad_sem = bad_glb = np.zeros(len(req), bool)  # the common case: no mask needed
+    else:
+        bad_sem = ((semantic < 0) | (semantic >= semantic_vocab)).any(axis=1)
+        bad_glb = ((global_ids < 0) | (global_ids >= global_vocab)).any(axis=1)
     for j in np.flatnonzero(bad_sem | bad_glb).tolist():
         if bad_sem[j]:
             pos = int(np.flatnonzero((semantic[j] < 0) | (semantic[j] >= semantic_vocab))[0])
@@ -164,8 +222,9 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int, global_vocab: in
         semantic, global_ids = semantic[keep, :t], global_ids[keep]
     now = time.monotonic_ns()
     f = seg.field
-    f["t_start_ns"][req.slots] = now
-    f["state"][req.slots] = BUSY
+    where = int(req.slots[0]) if len(req) == 1 else req.slots
+    f["t_start_ns"][where] = now
+    f["state"][where] = BUSY
     return Batch(req, semantic, global_ids, now), failures
 
 
@@ -177,6 +236,20 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
     the rows ``rows32``. N covers the longest row; each row's samples past its own length are
     written too (zeros) but never read. Returns the time of publishing (monotonic ns).
     """
+    if len(req) == 1:  # scalar stores: the common case at low load
+        s = int(req.slots[0])
+        if len(rows16):
+            seg.pcm16[s, : pcm16.shape[1]] = pcm16[0]
+        else:
+            seg.pcm32[s, : pcm32.shape[1]] = pcm32[0]
+        now = time.monotonic_ns()
+        f = seg.field
+        f["status"][s] = Status.OK
+        f["n_samples"][s] = int(req.lengths[0]) * HOP
+        f["result_seq"][s] = int(req.seqs[0])
+        f["t_done_ns"][s] = now
+        f["state"][s] = DONE  # order matters, as below
+        return now
     slots = req.slots
     if len(rows16):
         seg.pcm16[slots[rows16], : pcm16.shape[1]] = pcm16

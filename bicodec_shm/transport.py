@@ -232,6 +232,11 @@ COUNTERS = ("requests", "batches", "failed", "reclaimed", "tokens", "padded_toke
 assert [HEADER_DT.fields[c][1] for c in COUNTERS] == [
     HEADER_DT.fields[COUNTERS[0]][1] + 8 * i for i in range(len(COUNTERS))
 ], "counters must be contiguous"
+# The per-request and per-batch time histograms, contiguous too: one (3, N_TIME_BINS) view.
+TIME_HISTOGRAMS = ("queue_hist", "latency_hist", "decode_hist")
+assert [HEADER_DT.fields[h][1] for h in TIME_HISTOGRAMS] == [
+    HEADER_DT.fields[TIME_HISTOGRAMS[0]][1] + 8 * N_TIME_BINS * i for i in range(3)
+], "time histograms must be contiguous"
 
 SLOT_DT = np.dtype(
     [
@@ -460,7 +465,8 @@ class Segment:
     The server creates it (``Segment.create``), clients attach (``Segment.attach``).
     ``close()`` runs in every process; ``unlink()`` only in the server that created it. Views:
 
-    - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (11,) u8
+    - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (11,) u8;
+      ``histograms``: queue, latency and decode histograms as one (3·N_TIME_BINS,) u8
     - ``slots``: (n_slots,) structured array (``SLOT_DT``); ``field[name]``: one field of it
     - ``tokens``: (n_slots, max_tokens) int32; ``globals``: (n_slots, 32) int32
     - ``pcm16``: (n_slots, stride/2) int16 and ``pcm32``: (n_slots, stride/4) float32, the same
@@ -474,6 +480,7 @@ class Segment:
     _mmap: mmap.mmap | None = None
     _lock_fd: int = -1
     _sems: dict[str, posix_ipc.Semaphore] | None = None
+    _per_slot: dict[str, list] = {}
     _creator: bool = False
 
     def __init__(self, name: str, lock_fd: int, layout: Layout) -> None:
@@ -481,6 +488,8 @@ class Segment:
         self.layout = layout
         self._lock_fd = lock_fd
         self._sems = {}
+        self._ready: posix_ipc.Semaphore | None = None
+        self._per_slot = {kind: [None] * layout.n_slots for kind in ("req", "done", "bell")}
         self._map()
         _live_segments.add(self)
 
@@ -499,6 +508,8 @@ class Segment:
         buf, lay = self._mmap, self.layout
         self.header = np.ndarray((), HEADER_DT, buf, 0)
         self.counters = np.ndarray((len(COUNTERS),), "<u8", buf, HEADER_DT.fields[COUNTERS[0]][1])
+        self.histograms = np.ndarray((3 * N_TIME_BINS,), "<u8", buf,
+                                     HEADER_DT.fields[TIME_HISTOGRAMS[0]][1])  # fmt: skip
         self.slots = np.ndarray((lay.n_slots,), SLOT_DT, buf, lay.slots_off)
         # One (n_slots,) view per slot field, made once: building a field view per access
         # costs about a microsecond, and the hot path touches a dozen fields per request.
@@ -582,6 +593,11 @@ class Segment:
         for sem_name in semaphore_names(self.name, self.layout.n_slots):
             sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode, 0)
             self._sems[sem_name] = sem
+            kind, index = _split(sem_name)
+            if kind in self._per_slot:
+                self._per_slot[kind][index] = sem
+            elif kind == "ready":
+                self._ready = sem
             # posix_ipc cannot fchmod a semaphore, and the umask narrowed it: on Linux each
             # one is the file /dev/shm/sem.NAME.
             path = f"/dev/shm/sem.{sem_name[1:]}"
@@ -666,24 +682,32 @@ class Segment:
                 sem.close()
                 raise ServerUnavailableError(f"the server of {self.name!r} stopped")
             sems[sem_name] = sem
+            if sem_name.endswith(".ready"):
+                self._ready = sem
+        return sem
+
+    def _cached(self, kind: str, index: int) -> posix_ipc.Semaphore:
+        """Open ``kind``.``index`` once; later calls find it in a list (the hot path)."""
+        sem = self._sem(f"/{self.name}.{kind}.{index}")
+        self._per_slot[kind][index] = sem
         return sem
 
     @property
     def ready(self) -> posix_ipc.Semaphore:
-        return self._sem(f"/{self.name}.ready")
+        return self._ready or self._sem(f"/{self.name}.ready")
 
     @property
     def free(self) -> posix_ipc.Semaphore:
         return self._sem(f"/{self.name}.free")
 
     def req(self, slot: int) -> posix_ipc.Semaphore:
-        return self._sem(f"/{self.name}.req.{slot}")
+        return self._per_slot["req"][slot] or self._cached("req", slot)
 
     def done(self, slot: int) -> posix_ipc.Semaphore:
-        return self._sem(f"/{self.name}.done.{slot}")
+        return self._per_slot["done"][slot] or self._cached("done", slot)
 
     def bell(self, index: int) -> posix_ipc.Semaphore:
-        return self._sem(f"/{self.name}.bell.{index}")
+        return self._per_slot["bell"][index] or self._cached("bell", index)
 
     def error_text(self, slot: int) -> str:
         return bytes(self.slots["error"][slot]).decode("utf-8", "replace")
@@ -731,8 +755,9 @@ class Segment:
                 sem.close()
             except posix_ipc.Error:
                 pass
-        self._sems = None
-        self.header = self.counters = self.slots = None  # type: ignore[assignment]
+        self._sems, self._ready = None, None
+        self._per_slot = {kind: [None] * self.layout.n_slots for kind in self._per_slot}
+        self.header = self.counters = self.histograms = self.slots = None  # type: ignore[assignment]
         self.tokens = self.globals = self.pcm16 = self.pcm32 = None  # type: ignore[assignment]
         self.field = {}
         if self._mmap is not None:
@@ -776,6 +801,14 @@ class Segment:
             f"<Segment {self.name!r} slots={self.layout.n_slots} "
             f"max_tokens={self.layout.max_tokens} size={self.layout.total_size}>"
         )
+
+
+def _split(sem_name: str) -> tuple[str, int]:
+    """("req", 3) for "/NAME.req.3"; ("ready", -1) for "/NAME.ready"."""
+    head, _, last = sem_name.rpartition(".")
+    if last.isdigit():
+        return head.rpartition(".")[2], int(last)
+    return last, -1
 
 
 def _own_name(name: str, mode: int, deadline: float) -> int:

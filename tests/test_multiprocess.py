@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import numpy as np
+import pytest
 from support import seed_int16, single_decode, worker_command
 
 from bicodec_shm.transport import read_header, stats_from_header
@@ -16,8 +17,10 @@ def _load(path: str):
     return [(data[f"sem_{i}"], data[f"glb_{i}"], data[f"pcm_{i}"]) for i in range(n)]
 
 
-def test_eight_clients_get_their_own_exact_audio(start_server, shm_name, tmp_path):
-    start_server("--slots", "48", "--max-batch", "16")
+@pytest.mark.parametrize("lanes", [1, 2, 4])
+def test_eight_clients_get_their_own_exact_audio(start_server, shm_name, tmp_path, lanes):
+    """Mixed lengths from 8 processes; with 2 and 4 lanes too: no cross-talk between lanes."""
+    start_server("--slots", "48", "--max-batch", "16", "--lanes", str(lanes), "--min-fill", "0")
     n_clients, n_requests = 8, 20
     outs = [str(tmp_path / f"c{i}.npz") for i in range(n_clients)]
     procs = [

@@ -349,3 +349,101 @@ def test_the_models_output_is_never_changed_in_place(thread_server, shm_name):
     assert torch.equal(decoder.out, decoder.kept)
     expected = (np.clip(decoder.kept.numpy()[0], -1, 1) * 32767).astype(np.int16)
     assert np.array_equal(pcm, expected)
+
+
+class RowWise:
+    """A decoder whose rows depend only on their own ids (and not on the batch): the server's
+    single-row and batched paths must then give identical bytes."""
+
+    device = torch.device("cpu")
+
+    def detokenize(self, semantic_ids, global_ids, lengths):
+        t = semantic_ids.shape[1]
+        frames = torch.sin(semantic_ids.double() * 0.37 + global_ids.double().sum(1, keepdim=True))
+        audio = frames.repeat_interleave(HOP, dim=1) * 1.3  # some samples past +-1: clipped
+        audio *= (torch.arange(t * HOP) < lengths[:, None] * HOP)  # nothing past each length
+        return audio.float()
+
+
+def test_single_row_and_batched_paths_give_identical_bytes(thread_server, shm_name):
+    decoder = RowWise()
+    gate = threading.Event()
+    original = decoder.detokenize
+    decoder.detokenize = lambda *a: (gate.wait(30), original(*a))[1]
+    thread_server(decoder, lanes=1, max_batch=16, max_batch_tokens=None, min_fill=0.0)
+    reqs = _requests(30, 12, lo=3, hi=40)
+    with DecoderClient(shm_name, slots=12) as client:
+        gate.set()
+        alone = [client.decode(s, g, dtype=d) for (s, g), d in zip(reqs, ["int16", "float32"] * 6)]
+        gate.clear()
+        threading.Thread(target=lambda: (time.sleep(0.5), gate.set())).start()
+        results = [None] * len(reqs)
+
+        def run(i):
+            results[i] = client.decode(*reqs[i], dtype=["int16", "float32"][i % 2])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        batches = client.get_stats()["batch_size_histogram"]
+    assert max(batches) > 1, batches  # some rows really went through the batched path
+    for a, b in zip(alone, results):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_a_poisoned_row_fails_alone_with_several_lanes(thread_server, shm_name, lanes):
+    decoder = GatedDecoder()
+    thread_server(decoder, max_batch=8, min_fill=0.0, max_batch_tokens=None, lanes=lanes)
+    reqs = _requests(33, 9)
+    bad = (np.full(12, POISON), np.zeros(32, np.int64))
+    with DecoderClient(shm_name, slots=10) as client:
+        threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set())).start()
+        results = _decode_all_concurrently(client, reqs[:5] + [bad] + reqs[5:], dtype="float32")
+    assert isinstance(results[5], DecodeError) and "poisoned input" in str(results[5])
+    for (sem, glb), pcm in zip(reqs, results[:5] + results[6:]):
+        assert isinstance(pcm, np.ndarray), pcm
+        np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
+
+
+def test_reaping_never_touches_a_slot_a_lane_holds(thread_server, shm_name):
+    """Clients killed mid-batch, lanes on: their slots stay BUSY (not reclaimed, not rewritten)
+    until the lane has published, then come back with their generation bumped."""
+    decoder = GatedDecoder()
+    server = thread_server(decoder, lanes=2, reap_interval=0.05, min_fill=0.0)
+    code = (
+        "import threading, time; from bicodec_shm.client import DecoderClient; "
+        f"c = DecoderClient({shm_name!r}, slots=4); "
+        "[threading.Thread(target=c.decode, args=([3] * 30, [1] * 32), daemon=True).start() "
+        "for _ in range(4)]; time.sleep(60)"
+    )
+    victim = subprocess.Popen([sys.executable, "-c", code])
+    seg = server.segment
+    try:
+        deadline = time.monotonic() + 30
+        while int((seg.slots["state"] == SlotState.BUSY).sum()) < 2:  # two lanes, gated
+            assert time.monotonic() < deadline, seg.slots["state"]
+            time.sleep(0.02)
+        busy = (seg.slots["state"] == SlotState.BUSY).nonzero()[0].tolist()
+        generations = seg.slots["generation"][busy].tolist()
+        victim.kill()
+        victim.wait()
+        time.sleep(0.5)  # ten reaper ticks
+        assert (seg.slots["state"][busy] == SlotState.BUSY).all()
+        assert seg.slots["generation"][busy].tolist() == generations
+        decoder.gate.set()
+        deadline = time.monotonic() + 2
+        while (seg.slots["state"] != SlotState.FREE).any():
+            assert time.monotonic() < deadline, seg.slots["state"]
+            time.sleep(0.02)
+        assert (seg.slots["generation"][busy] == np.array(generations) + 1).all()
+    finally:
+        decoder.gate.set()
+        victim.kill()
+        victim.wait()
+    with DecoderClient(shm_name) as client:
+        sem, glb = _requests(34, 1)[0]
+        np.testing.assert_allclose(client.decode(sem, glb, dtype="float32"), single_decode(sem, glb),
+                                   atol=1e-5, rtol=0)  # fmt: skip

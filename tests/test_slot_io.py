@@ -76,3 +76,19 @@ def test_publish_writes_each_rows_samples_and_results_for_mixed_dtypes(seg):
     assert f["n_samples"][[1, 2]].tolist() == [3 * HOP, 2 * HOP]
     assert np.array_equal(seg.pcm16[1, :n], pcm16[0])
     assert np.array_equal(seg.pcm32[2, : 2 * HOP], pcm32[0, : 2 * HOP])
+
+
+def test_the_single_row_path_and_the_vectorised_path_agree_field_for_field(seg):
+    """check_headers and gather take a scalar path for one slot: both must say the same."""
+    for slot, tokens in ((1, [4, 5, 6]), (3, [7, 8]), (5, [9])):
+        _ready(seg, slot, tokens, seq=slot * 10)
+    alone, _ = check_headers(seg, np.array([3]), n_bells=6)
+    together, _ = check_headers(seg, np.array([1, 3, 5]), n_bells=6)
+    row = together.take([1])
+    for field in ("slots", "lengths", "seqs", "dtypes", "notify", "submitted_ns"):
+        a, b = getattr(alone, field), getattr(row, field)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), field
+    one, _ = gather(seg, alone, semantic_vocab=8192, global_vocab=4096)
+    many, _ = gather(seg, together.take([1, 0, 2]), semantic_vocab=8192, global_vocab=4096)
+    assert np.array_equal(one.semantic[0], many.semantic[0, :2]) and one.semantic.shape == (1, 2)
+    assert np.array_equal(one.global_ids, many.global_ids[:1])

@@ -224,6 +224,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     validate_name(args.name)
+    if args.metrics_port is not None:
+        from .metrics import require_prometheus_client
+
+        require_prometheus_client()  # before loading a model that takes seconds to load
     from .server import DecoderServer
 
     decoder = load_decoder(args)

@@ -13,7 +13,8 @@
         ├── ClientClosedError           the handle was closed before or while the call ran
         ├── SegmentError                the name exists but is not a usable bicodec-shm segment
         ├── ServerAlreadyRunningError   ``serve`` under a name whose server is alive
-        └── SharedMemoryFullError       /dev/shm lacks room for the segment
+        ├── SharedMemoryFullError       /dev/shm lacks room for the segment
+        └── MissingExtraError           an optional feature's extra is not installed (also an ImportError)
 
 Bad input is always a plain ``ValueError`` (or a subclass), so callers that already catch
 ``ValueError`` around the seed keep working.
@@ -72,3 +73,11 @@ class ServerAlreadyRunningError(BiCodecShmError):
 
 class SharedMemoryFullError(BiCodecShmError):
     """/dev/shm has less free space than the segment needs."""
+
+
+class MissingExtraError(BiCodecShmError, ImportError):
+    """An optional feature needs a package extra that is not installed.
+
+    The message names the ``pip install "bicodec-shm[EXTRA]"`` line that adds it (for example
+    ``[metrics]`` for ``--metrics-port``).
+    """

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from .batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, DEFAULT_MIN_FILL
 from .errors import BiCodecShmError
+from .group import GroupInfo, group_stats, read_group
 from .transport import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SLOTS,
@@ -41,6 +42,7 @@ PRESETS = ("spark-tts-0.5b", "tiny")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a server group's members reuse it
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -139,7 +141,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="spark-tts-0.5b", choices=PRESETS,
                    help="architecture with random weights when no --model-dir is given")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
+    p.add_argument("--device", default="cpu",
+                   help="torch device, e.g. cuda:0; for serve, several separated by commas "
+                        "(cuda:0,cuda:1) run one server per device as a group")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype; norms, Snake and audio stay float32 (default float32)")  # fmt: skip
@@ -223,6 +227,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if "," in args.device:  # one server per device, named NAME.K, under a supervisor
+        from .supervisor import parse_devices, serve_group
+
+        return serve_group(args.name, parse_devices(args.device), args.argv, mode=args.mode,
+                           metrics_port=args.metrics_port)  # fmt: skip
     validate_name(args.name)
     if args.metrics_port is not None:
         from .metrics import require_prometheus_client
@@ -251,6 +260,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
+    info = read_group(args.name)
+    if info is not None:
+        return _group_stats(args, info)
     header = read_header(args.name)
     if header is None:
         raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm")
@@ -258,8 +272,6 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if args.watch is None:
         print(json.dumps(stats, indent=2) if args.json else format_stats(args.name, stats))
         return 0
-    if args.watch <= 0:
-        raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
     return _watch(args, stats)
 
 
@@ -286,8 +298,7 @@ def _watch(args: argparse.Namespace, stats: dict) -> int:
             continue
         stats = _stats(args.name, header)
         if stats["server_epoch"] != before["server_epoch"]:  # a new server: counters restart at 0
-            before = {k: 0 for k in ("requests", "batches", "tokens", "failed")} | {
-                "batch_size_histogram": {}, "avg_queue_wait_ms": 0.0}  # fmt: skip
+            before = _ZERO
             if not args.json:
                 print(f"{stamp}  new server (pid {stats['server_pid']}); rates from its start", flush=True)
         rates = interval_rates(before, stats, now - t_before)
@@ -296,6 +307,44 @@ def _watch(args: argparse.Namespace, stats: dict) -> int:
         else:
             print(format_watch_line(stamp, rates, stats), flush=True)
         before, t_before = stats, now
+
+
+_ZERO = {k: 0 for k in ("requests", "batches", "tokens", "failed")} | {
+    "batch_size_histogram": {}, "avg_queue_wait_ms": 0.0}  # fmt: skip
+
+
+def _group_stats(args: argparse.Namespace, info: GroupInfo) -> int:
+    """``stats N`` of a server group: the members side by side, or with ``--watch`` one line
+    per member and interval."""
+    stats = group_stats(info)
+    if args.watch is None:
+        print(json.dumps(stats, indent=2) if args.json else format_group_stats(stats))
+        return 0
+    if not args.json:
+        print(format_group_stats(stats))
+        print(f"{WATCH_COLUMNS}  member", flush=True)
+    before, t_before = stats["members"], time.monotonic()
+    while True:
+        _sleep(args.watch)
+        info, now = read_group(args.name), time.monotonic()
+        stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
+        if info is None:
+            print(json.dumps({"time": stamp, "group": None}) if args.json
+                  else f"{stamp}  no group named {args.name!r} (stopped?)", flush=True)  # fmt: skip
+            continue
+        members = group_stats(info)["members"]
+        for member, st in members.items():
+            if "requests" not in st:
+                print(json.dumps({"time": stamp, "member": member, "segment": None}) if args.json
+                      else f"{stamp}  {member} is down", flush=True)  # fmt: skip
+                continue
+            prev = before.get(member, {})
+            prev = prev if prev.get("server_epoch") == st["server_epoch"] else _ZERO
+            rates = interval_rates(prev, st, now - t_before)
+            line = {"time": stamp, "member": member, "interval": rates, "totals": st}
+            print(json.dumps(line) if args.json else f"{format_watch_line(stamp, rates, st)}  {member}",
+                  flush=True)  # fmt: skip
+        before, t_before = members, now
 
 
 WATCH_COLUMNS = (f"{'time':<19}  {'req/s':>7}  {'batch/s':>7}  {'audio s/s':>9}  {'avg batch':>9}  "
@@ -342,8 +391,33 @@ def format_watch_line(stamp: str, rates: dict, stats: dict) -> str:
 
 def format_stats(name: str, stats: dict) -> str:
     """A two-column table of ``stats_from_header`` output."""
-    rows = [
-        ("segment", name),
+    rows = [("segment", name), *stats_rows(stats)]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def format_group_stats(stats: dict) -> str:
+    """A server group's ``group_stats``: one column per member (a member that is down: "-")."""
+    members = stats["members"]
+    columns = {m: dict([("device", st["device"]), ("restarts", st["restarts"])]
+                       + (stats_rows(st) if "requests" in st else [("server pid", "down")]))
+               for m, st in members.items()}  # fmt: skip
+    keys = list(max(columns.values(), key=len))
+    alive = "alive" if stats["supervisor_alive"] else "not serving"
+    rows = [("member", list(members))] + [(k, [columns[m].get(k, "-") for m in members]) for k in keys]
+    width = max(len(k) for k, _ in rows)
+    widths = [max(len(str(row[1][i])) for row in rows) for i in range(len(members))]
+    lines = [f"group {stats['group']}: {len(members)} members, supervisor pid "
+             f"{stats['supervisor_pid']} ({alive}), {stats['requests']} requests in all"]  # fmt: skip
+    for key, values in rows:
+        cells = "  ".join(f"{str(v):<{w}}" for v, w in zip(values, widths))
+        lines.append(f"{key:<{width}}  {cells}".rstrip())
+    return "\n".join(lines)
+
+
+def stats_rows(stats: dict) -> list[tuple[str, object]]:
+    """The rows of ``format_stats`` after the segment's name."""
+    return [
         ("server pid", f"{stats['server_pid']} ({'alive' if stats.get('server_alive') else 'dead'})"),
         ("slots / max tokens", f"{stats['slots']} / {stats['max_tokens']}"),
         ("requests", stats["requests"]),
@@ -356,8 +430,6 @@ def format_stats(name: str, stats: dict) -> str:
         ("reclaimed slots", stats["reclaimed"]),
         ("batch sizes", " ".join(f"{b}:{n}" for b, n in stats["batch_size_histogram"].items()) or "-"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:

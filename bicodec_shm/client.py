@@ -32,6 +32,7 @@ import numpy as np
 
 from .attachment import SLICE, Attachment, Gone
 from .errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
+from .group import GroupRouter
 from .transport import N_GLOBAL, NO_BELL, stats_from_header, validate_name
 from .validation import as_token_array, output_dtype_code
 
@@ -64,9 +65,14 @@ class DecoderClient:
         owner_uid: the uid that must own the server's segment (default: this process's).
 
     Thread-safe and asyncio-safe; one handle can serve many threads and coroutines.
+
+    If ``name`` is a server group (``bicodec-shm serve --device cuda:0,cuda:1``), each request
+    goes to the member with the fewest outstanding requests, and to another live member if its
+    own dies (group.py); ``slots`` then applies to each member.
     """
 
     _att: Attachment | None = None
+    _group: GroupRouter | None = None  # set when ``name`` is a server group
     _closed = True
 
     def __init__(
@@ -158,6 +164,8 @@ class DecoderClient:
     def get_stats(self) -> dict:
         """The server's live counters plus this handle's own, as a dict."""
         stats: dict[str, Any] = {"name": self.name, "handle_requests": self._requests}
+        if self._group is not None:
+            return stats | self._group.stats()
         att = self._att
         if att is not None:
             try:
@@ -175,6 +183,8 @@ class DecoderClient:
         """
         self._closed = True
         att, self._att = self._att, None
+        if self._group is not None and self._pid == os.getpid():
+            self._group.close(ClientClosedError(f"this DecoderClient of {self.name!r} was closed"))
         if att is not None and self._pid == os.getpid():
             att.close(ClientClosedError(f"this DecoderClient of {self.name!r} was closed"))
 
@@ -217,7 +227,13 @@ class DecoderClient:
         """Attach, retrying every slice until ``deadline`` while no server serves the name."""
         while True:
             try:
-                att = Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)
+                if self._group is None:
+                    self._group = GroupRouter.find(self.name, max_slots=self.max_slots,
+                                                   owner_uid=self.owner_uid)  # fmt: skip
+                if self._group is not None:
+                    att = self._group.connect()
+                else:
+                    att = Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)
                 self._limits = (att.semantic_vocab, att.global_vocab, att.max_tokens)
                 return att
             except ServerUnavailableError as exc:
@@ -236,6 +252,10 @@ class DecoderClient:
         False, None means "no server yet; ask again after a slice" (asyncio must not sleep)."""
         if os.getpid() != self._pid:
             self._forked()
+        if self._group is not None:  # a server group: the router picks a member per request
+            if self._closed:
+                raise ClientClosedError(f"this DecoderClient of {self.name!r} is closed")
+            return self._group.attachment(deadline, block=block)
         while True:
             if self._closed:
                 raise ClientClosedError(f"this DecoderClient of {self.name!r} is closed")
@@ -279,3 +299,5 @@ class DecoderClient:
         att, self._att = self._att, None
         if att is not None:
             att.forget_after_fork()
+        if self._group is not None:
+            self._group.forget_after_fork()

@@ -33,6 +33,9 @@ Named objects (``NAME``: letters, digits, ``_`` and ``-``, optionally a ``.K`` g
     /dev/shm/sem.NAME.done.I   server -> client, slot I: pairs the client's reads of the result
     /dev/shm/sem.NAME.bell.J   server -> one client handle's asyncio waiter (bell J): wake-up only
 
+A server group (group.py) puts a small object of its own under NAME instead of a segment
+(magic ``GROUP_MAGIC``, the same OWNER and SERVING lock bytes); its members are NAME.0, NAME.1...
+
 Locks: bytes of the segment's inode, taken with F_OFD_SETLK through a descriptor that nothing
 else duplicates (``Segment._lock_fd``; the mapping uses a separate open, because ``mmap`` dups
 the descriptor it maps and a dup shares the open file description and so its locks)::
@@ -110,6 +113,9 @@ from .errors import (
 log = logging.getLogger("bicodec_shm.transport")
 
 MAGIC = 0x4D48535F43444342  # b"BCDC_SHM" little-endian
+# The magic of a server group's small object under the group's name (group.py). Defined here
+# so that the takeover of a dead owner's leftovers (``_check_takeover``) knows it as ours.
+GROUP_MAGIC = 0x5052475F43444342  # b"BCDC_GRP" little-endian
 LAYOUT_VERSION = 2
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
@@ -870,7 +876,7 @@ def _check_takeover(name: str, fd: int) -> None:
         return  # its creator died before reserving it
     if size >= 8:
         magic = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
-        if magic in (0, MAGIC):
+        if magic in (0, MAGIC, GROUP_MAGIC):
             return
     raise SegmentError(f"/dev/shm/{name} exists and is not a bicodec-shm segment; refusing to remove it")
 

@@ -1,0 +1,471 @@
+"""A server group: one ordinary server per device, found and used under one name.
+
+``bicodec-shm serve --device cuda:0,cuda:1 --name N`` runs a supervisor (supervisor.py) that
+starts one ``bicodec-shm serve`` per device, named ``N.0``, ``N.1``, ..., and publishes the
+group under ``N`` itself, as a one-page object instead of a segment::
+
+    /dev/shm/N      the group object (GROUP_DT): magic "BCDC_GRP", version, member count,
+                    each member's device and restart count
+    /dev/shm/N.K    member K: an ordinary segment and its semaphores (transport.py)
+
+The group object is owned exactly like a segment (see transport.py, "Locks"): the supervisor
+creates it O_CREX through ``transport._own_name`` and holds its OWNER byte from creating the
+name to unlinking it, and its SERVING byte from the moment every member has served once until
+it starts to stop. So ``probe(N)`` tells a live group (SERVING) from one starting or stopping
+(BUSY) and from a killed supervisor's leftovers (DEAD: the next supervisor, or a single server,
+takes them over), across PID namespaces and with no pid trusted. A live group's name can be
+neither taken nor unlinked: every path that creates or unlinks a name first takes its OWNER
+lock.
+
+Memory ordering: the supervisor writes the header (magic last) before it takes SERVING; a
+reader probes SERVING first and reads the header after. The restart counters change later and
+are read without pairing: statistics, like a segment's counters.
+
+Clients: ``DecoderClient("N")`` finds the group (``GroupRouter.find``) and lets a
+``GroupRouter`` choose the member of each request (see its docstring).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from .attachment import SLICE, Attachment, Gone
+from .errors import BiCodecShmError, SegmentError, ServerAlreadyRunningError, ServerUnavailableError
+from .transport import (
+    BUSY,
+    COUNTERS,
+    DEFAULT_MODE,
+    GROUP_MAGIC,
+    MAGIC,
+    READY,
+    SERVING_BYTE,
+    ServerState,
+    _own_name,
+    _same_inode,
+    _unlink_segment,
+    held_elsewhere,
+    probe,
+    read_header,
+    stats_from_header,
+    try_lock,
+    unlock,
+    validate_name,
+)
+
+GROUP_VERSION = 1
+MAX_MEMBERS = 64
+DEVICE_BYTES = 32
+GROUP_SIZE = 4096  # one page: the header below, zero-padded
+
+GROUP_DT = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("version", "<u4"),
+        ("n_members", "<u4"),
+        ("supervisor_pid", "<u8"),  # informational only: in the supervisor's PID namespace
+        ("epoch", "<u8"),  # random per supervisor start
+        ("started_ns", "<u8"),  # CLOCK_MONOTONIC when the supervisor created the group
+        ("restarts", "<u4", (MAX_MEMBERS,)),  # written by the supervisor as members die
+        ("devices", f"S{DEVICE_BYTES}", (MAX_MEMBERS,)),
+    ],
+    align=True,
+)
+assert GROUP_DT.itemsize <= GROUP_SIZE
+_RESTARTS_OFF = GROUP_DT.fields["restarts"][1]
+_MEMBER_SUFFIX_RE = re.compile(r"\.[0-9]{1,3}$")
+# Counters summed over the members in a group's totals (the timing sums stay per member).
+_SUMMED = ("requests", "batches", "failed", "reclaimed", "tokens", "padded_tokens")
+assert set(_SUMMED) <= set(COUNTERS)
+
+
+def member_names(name: str, n: int) -> tuple[str, ...]:
+    """The members of group ``name`` of ``n`` members: ``name.0`` ... ``name.(n-1)``."""
+    return tuple(f"{name}.{i}" for i in range(n))
+
+
+def validate_group_name(name: str) -> str:
+    """Return ``name`` if a group may use it (a plain name: members add the ``.K``)."""
+    validate_name(name)
+    if _MEMBER_SUFFIX_RE.search(name):
+        raise ValueError(
+            f"a server group's --name cannot end in a member suffix like '.0' (got {name!r}): "
+            "its members are named NAME.0, NAME.1, ..."
+        )
+    return name
+
+
+# -- the group object, supervisor side ---------------------------------------------------------
+
+
+class GroupObject:
+    """The supervisor's ownership of ``/dev/shm/NAME`` for a group of ``len(devices)`` members.
+
+    ``create`` owns the name (O_CREX and the OWNER lock; a dead owner's leftovers are taken
+    over) and writes the header; ``start_serving`` makes the group visible to clients;
+    ``stop_serving``, ``unlink`` and ``close`` end it, in that order.
+    """
+
+    # The lock descriptor; nothing else dups it (see transport.Segment). The header is written
+    # with pwrite rather than through a mapping, because mmap would dup it, and a dup shares
+    # the open file description and so the locks.
+    _fd: int = -1
+
+    def __init__(self, name: str, fd: int, devices: tuple[str, ...]) -> None:
+        self.name = name
+        self.devices = devices
+        self._fd = fd
+
+    @classmethod
+    def create(cls, name: str, devices: list[str] | tuple[str, ...], *, mode: int = DEFAULT_MODE,
+               wait: float = 0.0) -> GroupObject:  # fmt: skip
+        """Own ``name`` for a group on ``devices``; waits up to ``wait`` seconds for an owner
+        that is starting or stopping. Raises ``ServerAlreadyRunningError`` if a live group or
+        server has the name."""
+        validate_group_name(name)
+        devices = tuple(devices)
+        if not 1 <= len(devices) <= MAX_MEMBERS:
+            raise ValueError(f"a server group has 1 to {MAX_MEMBERS} members, got {len(devices)}")
+        for device in devices:
+            if not device or len(device.encode()) > DEVICE_BYTES:
+                raise ValueError(f"device names must be 1 to {DEVICE_BYTES} bytes, got {device!r}")
+        try:
+            fd = _own_name(name, mode, time.monotonic() + wait)
+        except ServerAlreadyRunningError as exc:
+            raise ServerAlreadyRunningError(_taken_message(name, exc)) from None
+        try:
+            os.ftruncate(fd, GROUP_SIZE)
+            os.fchmod(fd, mode)  # the umask narrowed the mode given at creation
+            h = np.zeros((), GROUP_DT)
+            h["version"] = GROUP_VERSION
+            h["n_members"] = len(devices)
+            h["supervisor_pid"] = os.getpid()
+            h["epoch"] = int.from_bytes(os.urandom(8), "little") >> 1
+            h["started_ns"] = time.monotonic_ns()
+            h["devices"][: len(devices)] = [d.encode() for d in devices]
+            os.pwrite(fd, h.tobytes(), 0)
+            # Order matters: the magic last, so that nobody accepts a half-written header.
+            os.pwrite(fd, struct.pack("<Q", GROUP_MAGIC), 0)
+        except BaseException:
+            _unlink_segment(name)
+            os.close(fd)
+            raise
+        return cls(name, fd, devices)
+
+    def set_restarts(self, index: int, count: int) -> None:
+        """Publish member ``index``'s restart count (a statistic: read without pairing)."""
+        os.pwrite(self._fd, struct.pack("<I", count), _RESTARTS_OFF + 4 * index)
+
+    def start_serving(self) -> None:
+        """Take the SERVING lock: from now on clients see the group (header written first)."""
+        if not try_lock(self._fd, SERVING_BYTE):
+            raise ServerAlreadyRunningError(f"could not take the serving lock of {self.name!r}")
+
+    def stop_serving(self) -> None:
+        if self._fd >= 0:
+            unlock(self._fd, SERVING_BYTE)
+
+    def unlink(self) -> None:
+        """Remove ``/dev/shm/NAME``; we hold its OWNER lock, so it is still ours."""
+        if self._fd >= 0 and _same_inode(self._fd, self.name):
+            _unlink_segment(self.name)
+
+    def close(self) -> None:
+        """Release the name (closing the lock descriptor drops both locks)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> GroupObject:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<GroupObject {self.name!r} members={len(self.devices)} size={GROUP_SIZE}>"
+
+
+def _taken_message(name: str, exc: Exception) -> str:
+    if probe(name) is not ServerState.SERVING:
+        return str(exc)  # starting or stopping: transport's message says so
+    info = read_group(name)
+    if info is not None:
+        return (f"a bicodec-shm server group already serves {name!r} (members "
+                f"{', '.join(info.members)}; supervisor pid {info.supervisor_pid}): stop it "
+                "first (SIGTERM its supervisor) or choose another --name")  # fmt: skip
+    return (f"a bicodec-shm server already serves {name!r} (a single server, not a group): "
+            "stop it first or choose another --name")  # fmt: skip
+
+
+# -- the group object, reader side -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What ``/dev/shm/NAME`` says about a group."""
+
+    name: str
+    devices: tuple[str, ...]
+    restarts: tuple[int, ...]
+    supervisor_pid: int  # in the supervisor's own PID namespace
+    epoch: int
+    alive: bool  # the supervisor holds SERVING: the group is up
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return member_names(self.name, len(self.devices))
+
+
+def read_group(name: str) -> GroupInfo | None:
+    """The group under ``name``, or None if ``name`` is not a group object (absent, or a
+    single server's segment). A dead or starting group comes back with ``alive`` False.
+
+    Raises ``SegmentError`` for a group object of another version.
+    """
+    validate_name(name)
+    try:
+        shm = posix_ipc.SharedMemory(f"/{name}")
+    except posix_ipc.Error:
+        return None
+    try:
+        fd = shm.fd
+        # Order matters: the lock first, then the header (see "Memory ordering" above).
+        alive = held_elsewhere(fd, SERVING_BYTE)
+        if os.fstat(fd).st_size < GROUP_DT.itemsize:
+            return None
+        h = np.frombuffer(os.pread(fd, GROUP_DT.itemsize, 0), GROUP_DT, 1)[0]
+    finally:
+        shm.close_fd()
+    if int(h["magic"]) != GROUP_MAGIC:
+        return None
+    if int(h["version"]) != GROUP_VERSION:
+        raise SegmentError(
+            f"/dev/shm/{name} is a server group of version {int(h['version'])}; this client "
+            f"speaks version {GROUP_VERSION}: upgrade the client or the server so they match"
+        )
+    n = int(h["n_members"])
+    if not 1 <= n <= MAX_MEMBERS:
+        raise SegmentError(f"/dev/shm/{name}: a server group of {n} members is not valid")
+    return GroupInfo(
+        name=name,
+        devices=tuple(bytes(d).decode("utf-8", "replace") for d in h["devices"][:n]),
+        restarts=tuple(int(r) for r in h["restarts"][:n]),
+        supervisor_pid=int(h["supervisor_pid"]),
+        epoch=int(h["epoch"]),
+        alive=alive,
+    )
+
+
+def member_stats(name: str) -> dict | None:
+    """``stats_from_header`` of the segment ``name`` plus ``server_alive``; None if there is
+    no complete segment under ``name`` (the member is down or starting)."""
+    header = read_header(name)
+    if header is None or int(header["magic"]) != MAGIC:
+        return None
+    return stats_from_header(header) | {"server_alive": probe(name) is ServerState.SERVING}
+
+
+def group_stats(info: GroupInfo) -> dict:
+    """The group's members side by side (``bicodec-shm stats N``, ``DecoderClient.get_stats``).
+
+    Returns ``{"group", "supervisor_pid", "supervisor_alive", "members": {member: dict}}`` plus
+    the group's totals over the members up now (``totals``). A member that is down has
+    ``server_alive`` False and no counters. Counters restart at 0 with each member restart.
+    """
+    members: dict[str, dict] = {}
+    for member, device, restarts in zip(info.members, info.devices, info.restarts):
+        entry: dict = {"device": device, "restarts": restarts}
+        stats = member_stats(member)
+        entry |= stats if stats is not None else {"server_alive": False}
+        members[member] = entry
+    return {"group": info.name, "supervisor_pid": info.supervisor_pid,
+            "supervisor_alive": info.alive, **totals(members.values()), "members": members}  # fmt: skip
+
+
+def totals(members) -> dict:
+    """The keys of ``stats_from_header`` that make sense for a whole group, over ``members``
+    (an iterable of member stats; those without counters are down and left out): counters and
+    the batch-size histogram summed, averages weighted, slots summed, max_tokens the least."""
+    up = [m for m in members if "requests" in m]
+    out: dict = {key: sum(m[key] for m in up) for key in _SUMMED}
+    hist: dict[int, int] = {}
+    for m in up:
+        for size, n in m["batch_size_histogram"].items():
+            hist[size] = hist.get(size, 0) + n
+    rows = sum(size * n for size, n in hist.items())
+    requests, batches = out["requests"], out["batches"]
+
+    def weighted(key: str, by: str, total: int) -> float:
+        return sum(m[key] * m[by] for m in up) / total if total else 0.0
+
+    out |= {
+        "slots": sum(m["slots"] for m in up),
+        "max_tokens": min((m["max_tokens"] for m in up), default=0),
+        "avg_batch_size": rows / batches if batches else 0.0,
+        "avg_batch_time_ms": weighted("avg_batch_time_ms", "batches", batches),
+        "avg_queue_wait_ms": weighted("avg_queue_wait_ms", "requests", requests),
+        "avg_latency_ms": weighted("avg_latency_ms", "requests", requests),
+        "batch_size_histogram": dict(sorted(hist.items())),
+        "members_up": len(up),
+    }
+    return out
+
+
+# -- the client side ---------------------------------------------------------------------------
+
+
+class GroupRouter:
+    """Chooses the member of a server group for each request of one ``DecoderClient``.
+
+    It keeps one ``Attachment`` per member (attached on first need, each with the handle's
+    ``slots`` as its own limit) and gives each request the live member with the fewest
+    outstanding requests: other clients' READY and BUSY slots in the member's slot table, plus
+    this handle's own requests there. The slot states are read without pairing (see
+    transport.py, "Memory ordering"): a hint that may be a moment old, used only to choose;
+    ties go to a random member, so that idle clients do not all pick member 0.
+
+    A member that stops serving is skipped until it serves again (re-attached at most once a
+    slice). Requests in flight on it notice within a slice (attachment.py), or at once when a
+    pick finds it gone and retires its attachment; ``DecoderClient`` resubmits them through
+    this router, so they go to another live member right away rather than wait for the dead
+    one's restart.
+    """
+
+    def __init__(self, info: GroupInfo, *, max_slots: int, owner_uid: int | None) -> None:
+        self.name = info.name
+        self.members = info.members
+        self.max_slots = max_slots
+        self.owner_uid = owner_uid
+        self._lock = threading.Lock()
+        self._atts: list[Attachment | None] = [None] * len(self.members)
+        self._retry_at = [0.0] * len(self.members)  # monotonic time of the next attach attempt
+        self._closed: BaseException | None = None
+        self.last_error: Exception | None = None
+
+    @classmethod
+    def find(cls, name: str, *, max_slots: int, owner_uid: int | None) -> GroupRouter | None:
+        """A router if a live group serves ``name``, else None (a single server, or nothing)."""
+        info = read_group(name)
+        if info is None or not info.alive:
+            return None
+        return cls(info, max_slots=max_slots, owner_uid=owner_uid)
+
+    def pick(self) -> Attachment | None:
+        """The attachment of the least loaded live member, or None if no member serves."""
+        with self._lock:
+            if self._closed is not None:
+                raise type(self._closed)(str(self._closed))
+            now = time.monotonic()
+            best: list[Attachment] = []
+            least = None
+            for i in range(len(self.members)):
+                att = self._live(i, now)
+                load = None if att is None else _outstanding(att)
+                if load is None:
+                    continue
+                if least is None or load < least:
+                    best, least = [att], load
+                elif load == least:
+                    best.append(att)
+            return random.choice(best) if best else None
+
+    def connect(self) -> Attachment:
+        """``pick``, or ``ServerUnavailableError`` if no member serves (a handle attaching)."""
+        att = self.pick()
+        if att is None:
+            raise ServerUnavailableError(
+                f"{self.name!r} is a server group, but none of its members "
+                f"({', '.join(self.members)}) serves right now ({self.last_error})"
+            )
+        return att
+
+    def attachment(self, deadline: float, *, block: bool = True) -> Attachment | None:
+        """``pick``, waiting in slices until ``deadline`` while no member serves. With ``block``
+        False, None means "none yet; ask again after a slice" (asyncio must not sleep)."""
+        while True:
+            att = self.pick()
+            if att is not None:
+                return att
+            if time.monotonic() >= deadline:
+                raise ServerUnavailableError(
+                    f"no member of the server group {self.name!r} ({', '.join(self.members)}) "
+                    f"serves, and none came back before the request's deadline ({self.last_error})"
+                )
+            if not block:
+                return None
+            time.sleep(min(SLICE, max(0.0, deadline - time.monotonic())))
+
+    def _live(self, i: int, now: float) -> Attachment | None:
+        att = self._atts[i]
+        if att is not None and (att.retired is not None or not att.serving()):
+            att.retire(Gone())  # its callers resubmit, and come back here for another member
+            self._atts[i] = att = None
+        if att is None and now >= self._retry_at[i]:
+            try:
+                att = Attachment(self.members[i], max_slots=self.max_slots, owner_uid=self.owner_uid)
+            except (ServerUnavailableError, SegmentError) as exc:
+                self.last_error = exc
+                self._retry_at[i] = now + SLICE  # a member down stays skipped for a slice
+                return None
+            self._atts[i] = att
+        return att
+
+    def stats(self) -> dict:
+        """``group_stats`` plus ``handle_slots`` (slots this handle owns) per member."""
+        info = read_group(self.name)
+        if info is None:
+            return {"group": self.name, "supervisor_alive": False, "members": {}}
+        stats = group_stats(info)
+        for member, att in zip(self.members, list(self._atts)):
+            if member in stats["members"]:
+                stats["members"][member]["handle_slots"] = 0 if att is None else len(att.owned)
+        return stats
+
+    def close(self, reason: BaseException) -> None:
+        """Fail every call in flight with ``reason`` and close every member's attachment."""
+        with self._lock:
+            self._closed = reason
+            atts, self._atts = self._atts, [None] * len(self.members)
+        atts = [att for att in atts if att is not None]
+        for att in atts:
+            att.retire(reason)  # all first: each close() below may wait for its callers
+        for att in atts:
+            att.close(reason)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: no attachment of the parent is ours (see client.py)."""
+        self._lock = threading.Lock()
+        atts, self._atts = self._atts, [None] * len(self.members)
+        self._retry_at = [0.0] * len(self.members)
+        for att in atts:
+            if att is not None:
+                att.forget_after_fork()
+
+    def __repr__(self) -> str:
+        up = sum(att is not None for att in self._atts)
+        return f"<GroupRouter {self.name!r} members={len(self.members)} attached={up}>"
+
+
+def _outstanding(att: Attachment) -> int | None:
+    """Requests outstanding at ``att``'s member, or None if it went away.
+
+    Other clients' slots that are READY or BUSY, read without pairing (only a hint), plus this
+    attachment's own requests from taking a slot to copying the answer out.
+    """
+    try:
+        with att.use() as seg:
+            state, handle = seg.field["state"], seg.field["handle_id"]
+            others = ((state == READY) | (state == BUSY)) & (handle != att.handle_id)
+            queued = int(np.count_nonzero(others))
+    except (Gone, BiCodecShmError):
+        return None
+    return queued + att.in_use + att.claiming

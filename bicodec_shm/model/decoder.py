@@ -155,10 +155,14 @@ class BiCodecDecoder(nn.Module):
         semantic, glob, lens = _check_inputs(self.config, semantic_ids, global_ids, lengths)
         device, n_frames = self.device, semantic.shape[1]
         # Without padding there is nothing to mask: this path costs no more than forward().
-        lens = lens.to(device) if lens is not None and bool((lens < n_frames).any()) else None
+        # The checks read lengths where the caller keeps them (the server: host memory), before
+        # they move to the device, so that nothing here waits for the device.
+        shortest = int(lens.min()) if lens is not None else n_frames
+        lens = lens.to(device) if shortest < n_frames else None
         time_mask = None
         if lens is not None and mask:
-            time_mask = TimeMask(lens, n_frames, self.decoder.time_factors, dtype=self.dtype)
+            time_mask = TimeMask(lens, n_frames, self.decoder.time_factors, dtype=self.dtype,
+                                 shortest=shortest)  # fmt: skip
         audio = self(semantic.to(device), glob.to(device), time_mask)
         audio = audio[:, 0].float()  # (B, 1, N) -> (B, N)
         if lens is not None:

@@ -27,12 +27,21 @@ class TimeMask:
         n_frames: padded frame count T of the batch.
         factors: the upsampling factors at which convolutions run (1 = token rate).
         dtype: dtype of the activations to mask.
+        shortest: ``lengths.min()`` if the caller knows it from host memory: reading it from a
+            device tensor would wait for the device (a host sync).
     """
 
     def __init__(
-        self, lengths: torch.Tensor, n_frames: int, factors: Iterable[int], *, dtype: torch.dtype
+        self,
+        lengths: torch.Tensor,
+        n_frames: int,
+        factors: Iterable[int],
+        *,
+        dtype: torch.dtype,
+        shortest: int | None = None,
     ) -> None:
-        shortest = int(lengths.min())
+        if shortest is None:
+            shortest = int(lengths.min())
         self._masks: dict[int, tuple[int, torch.Tensor]] = {}
         for f in sorted(set(factors)):
             steps = torch.arange(shortest * f, n_frames * f, device=lengths.device)

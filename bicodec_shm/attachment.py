@@ -255,8 +255,8 @@ class Attachment:
         with self.use() as seg:
             try:
                 seg.free.acquire(timeout)
-            except posix_ipc.BusyError:
-                pass
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass  # a timeout, or a signal handler ran: the caller looks again either way
 
     def give(self, slot: int) -> None:
         """A request finished with ``slot`` (state CLAIMED): reuse it, or give it back."""

@@ -17,7 +17,13 @@ import time
 import wave
 from collections.abc import Sequence
 
-from .batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, DEFAULT_MIN_FILL
+from .batching import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_WAIT_MS,
+    DEFAULT_MIN_FILL,
+    DEFAULT_REJOIN_MS,
+)
 from .errors import BiCodecShmError
 from .group import GroupInfo, group_stats, read_group
 from .transport import (
@@ -76,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the decoder server (owns the model and the segment)")
     _add_model_args(s)
-    s.add_argument("--name", default=DEFAULT_NAME, help="segment name clients attach to")
+    s.add_argument("--name", default=DEFAULT_NAME,
+                   help=f"segment name clients attach to (default {DEFAULT_NAME})")  # fmt: skip
     _add_server_args(s)
     s.add_argument("--mode", default="0o600", type=_octal,
                    help="permissions: 0o600 this user only, 0o660 also the group")  # fmt: skip
@@ -156,7 +163,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="request slots in all")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
-    p.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS)
+    p.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
+                   help="how long a batch may wait to grow once a lane is free (default 0)")
+    p.add_argument("--rejoin-ms", type=float, default=DEFAULT_REJOIN_MS,
+                   help="how long a free lane waits for the clients it just answered to send "
+                        f"again; stops once they have (default {DEFAULT_REJOIN_MS})")  # fmt: skip
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                    help="padded-token budget per batch (rows x longest)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -246,6 +257,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         slots=args.slots,
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
+        rejoin_ms=args.rejoin_ms,
         max_batch_tokens=args.max_batch_tokens,
         min_fill=args.min_fill,
         lanes=args.lanes,

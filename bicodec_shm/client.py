@@ -144,7 +144,11 @@ class DecoderClient:
                 seq = next(att.seq)
                 future = loop.create_future()
                 bell = att.register(slot, seq, loop, future)
-                att.submit(slot, seq, semantic, globals_, code, bell)
+                try:
+                    att.submit(slot, seq, semantic, globals_, code, bell)
+                except BaseException:
+                    future.cancel()  # nobody will await it: no "exception never retrieved"
+                    raise
                 self._requests += 1
                 try:
                     left = deadline - time.monotonic()

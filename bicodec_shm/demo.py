@@ -169,6 +169,7 @@ def _start_server(args: argparse.Namespace, name: str) -> subprocess.Popen:
     cmd = serve_command(name, "--preset", args.preset,
            "--seed", str(args.seed), "--device", args.device, "--slots", str(args.slots),
            "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
+           "--rejoin-ms", str(args.rejoin_ms),
            "--max-batch-tokens", str(args.max_batch_tokens), "--min-fill", str(args.min_fill),
            "--max-tokens", str(args.max_tokens))  # fmt: skip
     if args.lanes:

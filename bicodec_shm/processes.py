@@ -9,7 +9,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 from .errors import BiCodecShmError
 from .transport import ServerState, probe
@@ -46,3 +48,20 @@ def stop_server(server: subprocess.Popen, timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def on_stop_signals(handler: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``handler(signum)`` on SIGINT and SIGTERM; returns the function that restores the
+    previous handlers. Outside the main thread (where Python cannot set handlers) it does
+    nothing and so does what it returns."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: handler(signum))
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore

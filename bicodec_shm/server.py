@@ -43,16 +43,19 @@ from .batching import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_WAIT_MS,
     DEFAULT_MIN_FILL,
+    DEFAULT_REJOIN_MS,
     plan_batch,
 )
 from .errors import ServerUnavailableError
 from .lanes import STOP, Decoded, Lane, Runner
+from .processes import on_stop_signals
 from .slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
 from .transport import (
     C_FAILED,
     C_HOST_GAP,
     C_RECLAIMED,
     C_REQUESTS,
+    CLAIMED,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODE,
     DEFAULT_SLOTS,
@@ -76,6 +79,7 @@ DEFAULT_START_WAIT = 30.0  # seconds to wait for a stopping predecessor (rolling
 # Lanes on CPU, from the sweep in benchmarks/RESULTS.md: on 2 cores two 1-thread lanes decode
 # 1.24x what one 2-thread decode does.
 DEFAULT_CPU_LANES = 2
+_COMING_BACK = np.array([CLAIMED, DONE], np.uint32)  # an answered slot whose client may send again
 _BUCKETS = [int(b * 1e9) for b in TIME_BUCKETS]  # upper bounds, ns; bisect_left: "le" bins
 _BUCKETS_NS = np.array(_BUCKETS, np.int64)
 
@@ -100,6 +104,8 @@ class DecoderServer:
         slots: request slots shared by all clients (each costs max_tokens x 1280 bytes).
         max_batch: most rows in one forward pass.
         max_wait_ms: how long a batch may wait to grow once a lane is free (0: go at once).
+        rejoin_ms: how long a free lane waits for the clients it has just answered to send their
+            next request (it stops as soon as they have; 0: never waits).
         max_batch_tokens: padded-token budget per batch (rows x longest length), or None.
         min_fill: a row joins a batch only if the batch's shortest row stays at least this
             share of its longest (0: no bound).
@@ -126,6 +132,7 @@ class DecoderServer:
         slots: int = DEFAULT_SLOTS,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+        rejoin_ms: float = DEFAULT_REJOIN_MS,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
         min_fill: float = DEFAULT_MIN_FILL,
         max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -141,6 +148,8 @@ class DecoderServer:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if rejoin_ms < 0:
+            raise ValueError(f"rejoin_ms must be >= 0, got {rejoin_ms}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1 or None, got {max_batch_tokens}")
         if not 0.0 <= min_fill <= 1.0:
@@ -151,6 +160,7 @@ class DecoderServer:
         self.name = name
         self.max_batch = max_batch
         self.max_wait_ms = max_wait_ms
+        self.rejoin_ms = rejoin_ms
         self.max_batch_tokens = max_batch_tokens
         self.min_fill = min_fill
         self.reap_interval = reap_interval
@@ -175,6 +185,7 @@ class DecoderServer:
         self._held_lock = threading.Lock()
         self._counters_lock = threading.Lock()
         self._confirmed: set[int] = set()  # READY slots whose req.I was taken, not yet batched
+        self._answered: set[int] = set()  # slots answered since the last batch was planned
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
         self._lane_idle_since = [time.monotonic_ns()] * self.lanes
@@ -200,10 +211,10 @@ class DecoderServer:
                 self._teardown()
                 raise
         log.info(
-            "serving %r: %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, "
+            "serving %r: %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
             "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d (threads each: %s), mode=%o, "
             "segment %.1f MiB",
-            name, slots, max_tokens, max_batch, max_wait_ms, max_batch_tokens, min_fill,
+            name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms, max_batch_tokens, min_fill,
             self.device, self.lanes, self.threads_per_lane, mode,
             self._segment.layout.total_size / 2**20,
         )  # fmt: skip
@@ -218,7 +229,7 @@ class DecoderServer:
 
     def serve_forever(self) -> None:
         """Serve until ``stop()``, SIGINT or SIGTERM; then finish running batches and unlink."""
-        restore = self._install_signal_handlers()
+        restore = on_stop_signals(self._on_stop_signal)
         lanes = [
             Lane(i, Runner(self.decoder, self.device), take=self._take, publish=self._publish,
                  fail=self._fail_row,
@@ -315,8 +326,11 @@ class DecoderServer:
                     return None
                 self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
                 continue
+            if self.rejoin_ms > 0 and len(ready) < self.max_batch:
+                ready = self._let_answered_clients_rejoin(seg, ready)
             if self.max_wait_ms > 0 and len(ready) < self.max_batch:
                 ready = self._let_batch_grow(seg, ready)
+            self._answered.clear()
             chosen = plan_batch(ready.lengths, ready.submitted_ns, max_batch=self.max_batch,
                                 max_batch_tokens=self.max_batch_tokens, min_fill=self.min_fill)  # fmt: skip
             req = ready.take(chosen)
@@ -347,6 +361,26 @@ class DecoderServer:
         if len(requests) != len(slots):
             self._confirmed = set(requests.slots.tolist())
         return requests if len(requests) else None
+
+    def _let_answered_clients_rejoin(self, seg: Segment, ready: Requests) -> Requests:
+        """Wait up to rejoin_ms for the clients answered since the last batch was planned to
+        send their next request, so that a busy client does not miss every other batch.
+
+        Waits only for slots that are still owned and not READY again (CLAIMED or DONE): a
+        client that gave its slot back, or is already in ``ready``, is not waited for. So at
+        low load, once the one client is back, nothing more is waited."""
+        deadline = time.monotonic() + self.rejoin_ms / 1000
+        states = seg.field["state"]
+        while len(ready) < self.max_batch and not self._stop.is_set():
+            answered = list(self._answered)
+            if not answered or not np.isin(states[answered], _COMING_BACK).any():
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wait_doorbell(seg, left)
+            ready = self._ready_requests(seg) or ready
+        return ready
 
     def _let_batch_grow(self, seg: Segment, ready: Requests) -> Requests:
         """Wait up to max_wait_ms for more requests, sleeping on the doorbell (never spinning)."""
@@ -398,7 +432,9 @@ class DecoderServer:
             else:
                 h += np.bincount(bins, minlength=3 * N_TIME_BINS).astype(np.uint64)
             seg.header["batch_hist"][min(rows, HIST_BINS - 1)] += 1
-        ring(seg, req.slots.tolist(), req.notify.tolist())
+        answered = req.slots.tolist()
+        self._answered.update(answered)
+        ring(seg, answered, req.notify.tolist())
 
     def _fail_row(self, batch: Batch, row: int, message: str) -> None:
         req = batch.requests
@@ -487,26 +523,10 @@ class DecoderServer:
             log.info("reclaimed %d slot(s) of dead clients", reclaimed)
         return reclaimed
 
-    # -- signals ----------------------------------------------------------------------------
-
-    def _install_signal_handlers(self) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-        def handler(signum: int, frame: object) -> None:
-            log.info("received %s: finishing the running batches, then stopping",
-                     signal.Signals(signum).name)  # fmt: skip
-            self.stop()
-
-        for sig in previous:
-            signal.signal(sig, handler)
-
-        def restore() -> None:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-
-        return restore
+    def _on_stop_signal(self, signum: int) -> None:
+        log.info("received %s: finishing the running batches, then stopping",
+                 signal.Signals(signum).name)  # fmt: skip
+        self.stop()
 
 
 def _take_post(sem: posix_ipc.Semaphore) -> bool:

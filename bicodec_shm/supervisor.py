@@ -30,13 +30,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import MAX_MEMBERS, GroupObject, member_names, validate_group_name
+from .processes import on_stop_signals
 from .transport import DEFAULT_MODE, ServerState, probe, unlink_all
 
 log = logging.getLogger("bicodec_shm.supervisor")
@@ -144,7 +144,7 @@ class Supervisor:
             group.close()
             raise
         self._group = group
-        restore = self._install_signal_handlers()
+        restore = on_stop_signals(self._on_stop_signal)
         code = 1
         try:
             log.info("group %r: starting %d members: %s", self.name, len(self.members),
@@ -272,28 +272,14 @@ class Supervisor:
 
     # -- signals ----------------------------------------------------------------------------
 
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-        def handler(signum: int, frame: object) -> None:
-            # Only a flag: the loop (or the wait in _stop_members) acts on it.
-            if self._signal is None:
-                self._signal = signum
-                log.info("received %s: stopping group %r", signal.Signals(signum).name, self.name)
-            else:
-                log.info("received %s again: still waiting for the members to stop",
-                         signal.Signals(signum).name)  # fmt: skip
-
-        for sig in previous:
-            signal.signal(sig, handler)
-
-        def restore() -> None:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-
-        return restore
+    def _on_stop_signal(self, signum: int) -> None:
+        # Only a flag: the loop (or the wait in _stop_members) acts on it.
+        if self._signal is None:
+            self._signal = signum
+            log.info("received %s: stopping group %r", signal.Signals(signum).name, self.name)
+        else:
+            log.info("received %s again: still waiting for the members to stop",
+                     signal.Signals(signum).name)  # fmt: skip
 
 
 def describe_exit(code: int) -> str:

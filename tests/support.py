@@ -47,3 +47,19 @@ def random_request(rng: np.random.Generator, min_len: int = 5, max_len: int = 60
 
 def worker_command(*args: str) -> list[str]:
     return [sys.executable, WORKER, *args]
+
+
+class GatedDecoder:
+    """The tiny model, except that every batch waits until the test opens ``gate`` (so that
+    requests pile up, or stay in flight, for as long as a test needs)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.model = reference_model()
+        self.device, self.config = self.model.device, self.model.config
+        self.gate = threading.Event()
+
+    def detokenize(self, *args):
+        self.gate.wait(60)
+        return self.model.detokenize(*args)

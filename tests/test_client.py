@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
-from support import seed_int16, single_decode
+from support import GatedDecoder, seed_int16, single_decode
 
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import BiCodecShmError, DecodeTimeoutError, ServerUnavailableError
@@ -234,19 +234,7 @@ def test_a_stale_done_post_is_never_taken_for_the_answer(thread_server, shm_name
     """Finding 12: every post carries a sequence number the reader checks after taking it."""
     import time
 
-    from support import reference_model
-
-    class Gated:
-        def __init__(self):
-            self.model = reference_model()
-            self.device, self.config = self.model.device, self.model.config
-            self.gate = threading.Event()
-
-        def detokenize(self, *args):
-            self.gate.wait(30)
-            return self.model.detokenize(*args)
-
-    decoder = Gated()
+    decoder = GatedDecoder()
     thread_server(decoder, lanes=1)
     sem, glb = np.arange(40) * 11, np.arange(32) * 3
     with DecoderClient(shm_name, slots=1) as client:
@@ -293,19 +281,7 @@ def test_threads_of_one_handle_never_claim_the_same_slot(thread_server, shm_name
     """Slot locks exclude processes, not threads sharing a descriptor: claims are serialised."""
     import time
 
-    from support import reference_model
-
-    class Gated:
-        def __init__(self):
-            self.model = reference_model()
-            self.device, self.config = self.model.device, self.model.config
-            self.gate = threading.Event()
-
-        def detokenize(self, *args):
-            self.gate.wait(30)
-            return self.model.detokenize(*args)
-
-    decoder = Gated()
+    decoder = GatedDecoder()
     server = thread_server(decoder, lanes=1, slots=8)
     # Every claimer starts its scan at the same slot: collisions are the rule, not luck.
     monkeypatch.setattr("bicodec_shm.attachment.random.randrange", lambda n: 0)

@@ -30,9 +30,8 @@ from bicodec_shm import processes
 from bicodec_shm.cli import DEFAULT_NAME
 from bicodec_shm.transport import leftover_objects, random_name, unlink_all
 
-# The documents whose blocks must run. PROPOSED_README_SECTIONS.md holds the sections proposed
-# for README.md; once they are merged, this becomes ("README.md",).
-DOCUMENTS = ("PROPOSED_README_SECTIONS.md",)
+# The documents whose blocks must run.
+DOCUMENTS = ("README.md",)
 BLOCK_TIMEOUT = 120
 PYTHON_FENCES = ("python", "py", "python3")
 NAME_LITERAL = re.compile(r"""(["'])""" + re.escape(DEFAULT_NAME) + r"""\1""")

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT, wait_until_serving
-from support import TESTS, reference_model, seed_int16, single_decode, worker_command
+from support import TESTS, GatedDecoder, reference_model, seed_int16, single_decode, worker_command
 
 from bicodec_shm import BiCodecBatchDecoder
 from bicodec_shm.client import DecoderClient
@@ -143,22 +143,9 @@ def test_waiters_on_a_server_that_dies_for_good_get_a_library_error_within_their
         assert seconds <= 3.0 + 0.5
 
 
-class _Gate:
-    """A decoder that holds every batch until the test opens the gate."""
-
-    def __init__(self) -> None:
-        self.model = reference_model()
-        self.device, self.config = self.model.device, self.model.config
-        self.gate = threading.Event()
-
-    def detokenize(self, *args):
-        self.gate.wait(60)
-        return self.model.detokenize(*args)
-
-
 def test_close_ends_every_call_in_flight_within_a_second(thread_server, shm_name):
     """Finding 3: sync and asyncio calls in flight or waiting for a slot, timeout None."""
-    decoder = _Gate()
+    decoder = GatedDecoder()
     thread_server(decoder, lanes=1)
     client = DecoderClient(shm_name, slots=1, timeout=None)
     try:
@@ -179,7 +166,7 @@ def test_close_ends_every_call_in_flight_within_a_second(thread_server, shm_name
 
 def test_the_drop_ins_stop_ends_its_pending_requests(thread_server, shm_name):
     """Finding 3, through the seed's API: stop() with decode_async calls pending."""
-    decoder = _Gate()
+    decoder = GatedDecoder()
     thread_server(decoder, lanes=1)
     batch_decoder = BiCodecBatchDecoder(shm_name, request_timeout=None)
     batch_decoder.start()

@@ -39,12 +39,10 @@ Settings, from the environment (read once per worker):
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
 import struct
-import wave
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -56,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from bicodec_shm.cli import DEFAULT_NAME
+from bicodec_shm.cli import DEFAULT_NAME, wav_bytes
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
 from bicodec_shm.processes import is_serving
@@ -268,17 +266,6 @@ def _error_response(exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
         status, exc = 500, RuntimeError(f"internal error: {type(exc).__name__}")
     return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
-
-
-def wav_bytes(pcm: np.ndarray) -> bytes:
-    """(N,) int16 samples -> a complete 16 kHz mono WAV file."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
-        w.writeframes(np.ascontiguousarray(pcm, dtype="<i2").tobytes())
-    return buf.getvalue()
 
 
 def streaming_wav_header() -> bytes:

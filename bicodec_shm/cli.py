@@ -321,7 +321,7 @@ def _watch(args: argparse.Namespace, stats: dict) -> int:
         before, t_before = stats, now
 
 
-_ZERO = {k: 0 for k in ("requests", "batches", "tokens", "failed")} | {
+_ZERO = {k: 0 for k in ("requests", "batches", "tokens", "failed", "completed")} | {
     "batch_size_histogram": {}, "avg_queue_wait_ms": 0.0}  # fmt: skip
 
 
@@ -373,6 +373,7 @@ def interval_rates(before: dict, after: dict, seconds: float) -> dict:
     batches = after["batches"] - before["batches"]
     rows = _rows(after) - _rows(before)
     queued_ms = _queued_ms(after) - _queued_ms(before)
+    completed = after["completed"] - before["completed"]
     return {
         "seconds": seconds,
         "requests": requests,
@@ -381,7 +382,7 @@ def interval_rates(before: dict, after: dict, seconds: float) -> dict:
         "batches_per_s": batches / seconds,
         "audio_s_per_s": (after["tokens"] - before["tokens"]) / TOKENS_PER_SECOND / seconds,
         "avg_batch_size": rows / batches if batches else 0.0,
-        "avg_queue_wait_ms": queued_ms / requests if requests else 0.0,
+        "avg_queue_wait_ms": queued_ms / completed if completed else 0.0,
     }
 
 
@@ -391,7 +392,7 @@ def _rows(stats: dict) -> int:
 
 
 def _queued_ms(stats: dict) -> float:
-    return stats["avg_queue_wait_ms"] * stats["requests"]
+    return stats["avg_queue_wait_ms"] * stats["completed"]  # the average is over completed ones
 
 
 def format_watch_line(stamp: str, rates: dict, stats: dict) -> str:

@@ -302,7 +302,7 @@ def totals(members) -> dict:
         for size, n in m["batch_size_histogram"].items():
             hist[size] = hist.get(size, 0) + n
     rows = sum(size * n for size, n in hist.items())
-    requests, batches = out["requests"], out["batches"]
+    batches, completed = out["batches"], out["requests"] - out["failed"]
 
     def weighted(key: str, by: str, total: int) -> float:
         return sum(m[key] * m[by] for m in up) / total if total else 0.0
@@ -312,8 +312,9 @@ def totals(members) -> dict:
         "max_tokens": min((m["max_tokens"] for m in up), default=0),
         "avg_batch_size": rows / batches if batches else 0.0,
         "avg_batch_time_ms": weighted("avg_batch_time_ms", "batches", batches),
-        "avg_queue_wait_ms": weighted("avg_queue_wait_ms", "requests", requests),
-        "avg_latency_ms": weighted("avg_latency_ms", "requests", requests),
+        "completed": completed,
+        "avg_queue_wait_ms": weighted("avg_queue_wait_ms", "completed", completed),
+        "avg_latency_ms": weighted("avg_latency_ms", "completed", completed),
         "batch_size_histogram": dict(sorted(hist.items())),
         "members_up": len(up),
     }

@@ -960,6 +960,7 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
     """The live counters of a header as plain Python numbers (see ``bicodec-shm stats``)."""
     batches = int(h["batches"])
     requests = int(h["requests"])
+    completed = requests - int(h["failed"])  # the times below are summed over these only
     tokens, padded = int(h["tokens"]), int(h["padded_tokens"])
     hist = [int(v) for v in h["batch_hist"]]
     rows = sum(b * n for b, n in enumerate(hist))
@@ -977,14 +978,15 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
         "requests": requests,
         "batches": batches,
         "failed": int(h["failed"]),
+        "completed": completed,
         "failed_by_status": failed,
         "reclaimed": int(h["reclaimed"]),
         "tokens": tokens,
         "padded_tokens": padded,
         "padding_share": (padded - tokens) / padded if padded else 0.0,
         "avg_batch_size": rows / batches if batches else 0.0,
-        "avg_queue_wait_ms": int(h["queue_wait_ns"]) / 1e6 / requests if requests else 0.0,
-        "avg_latency_ms": int(h["latency_ns"]) / 1e6 / requests if requests else 0.0,
+        "avg_queue_wait_ms": int(h["queue_wait_ns"]) / 1e6 / completed if completed else 0.0,
+        "avg_latency_ms": int(h["latency_ns"]) / 1e6 / completed if completed else 0.0,
         "avg_batch_time_ms": int(h["decode_ns"]) / 1e6 / batches if batches else 0.0,
         "host_gap_ms": int(h["host_gap_ns"]) / 1e6,
         "lane_busy_ms": int(h["lane_busy_ns"]) / 1e6,

@@ -34,6 +34,7 @@ from bicodec_shm.transport import (
     probe,
     read_header,
     semaphore_names,
+    stats_from_header,
     unlink_all,
     validate_name,
 )
@@ -352,6 +353,18 @@ def test_only_the_creator_may_unlink(segment, shm_name):
         with pytest.raises(SegmentError, match="only the server that created"):
             other.unlink()
     assert probe(shm_name) is ServerState.SERVING
+
+
+def test_average_times_are_over_completed_requests_only(segment):
+    """Failed requests add to ``requests`` but carry no queue or latency time: the averages
+    must not be diluted by them."""
+    h = segment.header
+    h["requests"], h["failed"] = 5, 3  # 2 completed
+    h["queue_wait_ns"], h["latency_ns"] = 2 * 4_000_000, 2 * 10_000_000
+    stats = stats_from_header(h)
+    assert stats["completed"] == 2
+    assert stats["avg_queue_wait_ms"] == pytest.approx(4.0)
+    assert stats["avg_latency_ms"] == pytest.approx(10.0)
 
 
 def test_views_cover_the_payload_areas(segment):

@@ -53,10 +53,17 @@ def stop_server(server: subprocess.Popen, timeout: float = 30) -> None:
 def on_stop_signals(handler: Callable[[int], None]) -> Callable[[], None]:
     """Call ``handler(signum)`` on SIGINT and SIGTERM; returns the function that restores the
     previous handlers. Outside the main thread (where Python cannot set handlers) it does
-    nothing and so does what it returns."""
+    nothing and so does what it returns.
+
+    A SIGINT that this process was started with ignored stays ignored: that is how a shell's
+    background job (``serve &``, ``nohup``) and a parent that stops its children in order (the
+    bench) keep a terminal's Ctrl-C away from it."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signals.insert(0, signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
     for sig in previous:
         signal.signal(sig, lambda signum, frame: handler(signum))
 

@@ -185,16 +185,24 @@ def test_a_failing_server_stops_the_run_and_cleans_up():
     assert _live_children() == []
 
 
+# `python -m bicodec_shm.bench` as a terminal's foreground job runs it: Ctrl-C at its default.
+# A test run started in the background (`pytest &`, as some CI runners do) has SIGINT ignored,
+# which the bench would inherit and, rightly, keep.
+_BENCH_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                      "runpy.run_module('bicodec_shm.bench', run_name='__main__', alter_sys=True)")
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_cleans_up_every_process_and_object(tmp_path):
     """SIGINT to the whole process group (a terminal's Ctrl-C) while a server is serving."""
     before = _ours_in_dev_shm()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bicodec_shm.bench", "--quick", "--no-progress", "--no-plot",
+        [sys.executable, "-c", _BENCH_WITH_CTRL_C, "--quick", "--no-progress", "--no-plot",
          "--json", str(tmp_path / "x.json")],
         cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    err = ""
     try:
         deadline = time.monotonic() + 180
         while not (_ours_in_dev_shm() - before) and proc.poll() is None:
@@ -207,7 +215,7 @@ def test_ctrl_c_cleans_up_every_process_and_object(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.communicate()  # reap it and close the pipes, even after a timeout
     assert proc.returncode == 130, err
     assert "cleaned up" in err
     deadline = time.monotonic() + 10

@@ -27,7 +27,15 @@ from bicodec_shm.errors import (
     ServerUnavailableError,
 )
 from bicodec_shm.server import DecoderServer
-from bicodec_shm.transport import leftover_objects, random_name, read_header, stats_from_header, unlink_all
+from bicodec_shm.transport import (
+    ServerState,
+    leftover_objects,
+    probe,
+    random_name,
+    read_header,
+    stats_from_header,
+    unlink_all,
+)
 
 GLB = np.arange(32) * 7
 
@@ -305,6 +313,37 @@ def test_sigterm_leaves_queued_requests_to_the_next_server(start_server, shm_nam
         _join(threads, within=60)
     for i, _, result in outcomes:
         _assert_lone(result, *reqs[i])
+
+
+# Start `serve` with SIGINT ignored (as a shell starts `serve &` or a nohup'ed job) or at its
+# default (a terminal's foreground job), whatever the test run itself inherited.
+_SIGINT_IGNORED = ("import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "runpy.run_module('bicodec_shm', run_name='__main__', alter_sys=True)")
+_SIGINT_DEFAULT = _SIGINT_IGNORED.replace("signal.SIG_IGN", "signal.default_int_handler")
+
+
+@pytest.mark.parametrize("ignored", [True, False], ids=["sigint-ignored", "sigint-default"])
+def test_ctrl_c_stops_a_server_unless_it_was_started_with_sigint_ignored(shm_name, ignored):
+    """A server started with SIGINT ignored keeps serving through a Ctrl-C (the bench's server
+    leaves Ctrl-C to its parent); at its default SIGINT stops it cleanly; SIGTERM always does."""
+    launcher = _SIGINT_IGNORED if ignored else _SIGINT_DEFAULT
+    server = subprocess.Popen([sys.executable, "-c", launcher, "serve", "--name", shm_name,
+                               "--preset", "tiny"], cwd=ROOT, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_until_serving(shm_name, proc=server)
+        server.send_signal(signal.SIGINT)
+        if ignored:
+            time.sleep(1.0)
+            assert server.poll() is None and probe(shm_name) is ServerState.SERVING
+            with DecoderClient(shm_name, timeout=30) as client:
+                assert client.decode([1, 2, 3], list(range(32))).shape == (960,)
+            server.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert leftover_objects(shm_name) == []
 
 
 def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -214,7 +214,13 @@ def test_ctrl_c_cleans_up_every_process_and_object(tmp_path):
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            # SIGTERM first: the bench unwinds, and multiprocessing's resource tracker (in the
+            # same process group) unlinks its semaphores. SIGKILL only if that hangs too.
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()  # reap it and close the pipes, even after a timeout
     assert proc.returncode == 130, err
     assert "cleaned up" in err

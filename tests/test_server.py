@@ -306,6 +306,31 @@ def test_max_wait_window_grows_the_batch_without_spinning(thread_server, shm_nam
         np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rejoin_ms", [0.0, 1000.0])
+def test_a_client_just_answered_joins_the_next_batch_within_the_rejoin_window(
+    thread_server, shm_name, rejoin_ms
+):
+    """A is answered; B's request is ready before A sends again (500 ms later). With a rejoin
+    window the server waits for A and decodes both together; without one, B goes alone."""
+    decoder = PoisonDecoder()
+    thread_server(decoder, max_batch=4, lanes=1, rejoin_ms=rejoin_ms, min_fill=0.0)
+    reqs = _requests(9, 3)
+    with DecoderClient(shm_name, slots=1) as a, DecoderClient(shm_name, slots=1) as b:
+        results = [a.decode(*reqs[0], dtype="float32"), None, None]
+
+        def run_b():
+            results[1] = b.decode(*reqs[1], dtype="float32")
+
+        thread = threading.Thread(target=run_b)
+        thread.start()
+        time.sleep(0.5)
+        results[2] = a.decode(*reqs[2], dtype="float32")
+        thread.join(30)
+    assert decoder.calls == ([1, 2] if rejoin_ms else [1, 1, 1])
+    for (sem, glb), pcm in zip(reqs, results):
+        np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
+
+
 def test_a_ready_slot_is_read_only_after_its_own_req_post(thread_server, shm_name):
     """Finding 12: the doorbell alone never makes the server read a slot (aarch64 ordering)."""
     server = thread_server()

@@ -32,6 +32,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -369,24 +370,26 @@ class DecoderServer:
         Waits only for slots that are still owned and not READY again (CLAIMED or DONE): a
         client that gave its slot back, or is already in ``ready``, is not waited for. So at
         low load, once the one client is back, nothing more is waited."""
-        deadline = time.monotonic() + self.rejoin_ms / 1000
         states = seg.field["state"]
-        while len(ready) < self.max_batch and not self._stop.is_set():
-            answered = list(self._answered)
-            # A Python loop: np.isin costs ~40 us per call, a few rows here cost ~1 us.
-            if not any(int(states[slot]) in _COMING_BACK for slot in answered):
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            self._wait_doorbell(seg, left)
-            ready = self._ready_requests(seg) or ready
-        return ready
+
+        def someone_may_come_back() -> bool:
+            # A Python loop: np.isin costs ~40 us per call, a few slots here cost ~1 us.
+            return any(int(states[slot]) in _COMING_BACK for slot in list(self._answered))
+
+        return self._wait_for_more(seg, ready, self.rejoin_ms, keep_waiting=someone_may_come_back)
 
     def _let_batch_grow(self, seg: Segment, ready: Requests) -> Requests:
-        """Wait up to max_wait_ms for more requests, sleeping on the doorbell (never spinning)."""
-        deadline = time.monotonic() + self.max_wait_ms / 1000
+        """Wait up to max_wait_ms for more requests."""
+        return self._wait_for_more(seg, ready, self.max_wait_ms)
+
+    def _wait_for_more(self, seg: Segment, ready: Requests, wait_ms: float,
+                       keep_waiting: Callable[[], bool] | None = None) -> Requests:  # fmt: skip
+        """Take in whatever becomes ready for up to ``wait_ms``, sleeping on the doorbell (never
+        spinning), until the batch is full or ``keep_waiting()`` turns False."""
+        deadline = time.monotonic() + wait_ms / 1000
         while len(ready) < self.max_batch and not self._stop.is_set():
+            if keep_waiting is not None and not keep_waiting():
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 break

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -43,6 +44,26 @@ def seed_int16(audio: np.ndarray) -> np.ndarray:
 def random_request(rng: np.random.Generator, min_len: int = 5, max_len: int = 60):
     n = int(rng.integers(min_len, max_len + 1))
     return rng.integers(0, 8192, n), rng.integers(0, 4096, 32)
+
+
+def seeded_request(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A request of exactly ``n`` random semantic ids and 32 global ids, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 8192, n), rng.integers(0, 4096, 32)
+
+
+def assert_lone_int16(pcm, semantic: np.ndarray, global_ids: np.ndarray) -> None:
+    """``pcm`` is int16 audio within 1 LSB of the request's own lone decode."""
+    assert isinstance(pcm, np.ndarray), repr(pcm)
+    assert np.abs(pcm.astype(np.int32) - seed_int16(single_decode(semantic, global_ids))).max() <= 1
+
+
+def join_within(threads, within: float) -> None:
+    """Join every thread within ``within`` seconds in all; fail if one still runs (a hang)."""
+    deadline = time.monotonic() + within
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+        assert not t.is_alive(), "a call hung"
 
 
 def worker_command(*args: str) -> list[str]:

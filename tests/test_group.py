@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from conftest import ROOT, serve_command
-from support import seed_int16, single_decode, worker_command
+from support import assert_lone_int16, join_within, seeded_request, worker_command
 
 from bicodec_shm import cli, processes
 from bicodec_shm.client import DecoderClient
@@ -115,16 +115,6 @@ def group_name() -> Iterator[str]:
     _clean(name)
 
 
-def _request(seed: int, n: int = 120) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 8192, n), rng.integers(0, 4096, 32)
-
-
-def _assert_lone(pcm, sem, glb) -> None:
-    assert isinstance(pcm, np.ndarray), repr(pcm)
-    assert np.abs(pcm.astype(np.int32) - seed_int16(single_decode(sem, glb))).max() <= 1
-
-
 def _run_calls(client: DecoderClient, reqs, n_threads: int) -> tuple[dict, list[threading.Thread]]:
     """The first half of ``reqs`` through ``n_threads`` sync threads, the rest as asyncio tasks
     (all at once). Returns ({index: pcm or exception}, threads)."""
@@ -154,13 +144,6 @@ def _run_calls(client: DecoderClient, reqs, n_threads: int) -> tuple[dict, list[
     return outcomes, threads
 
 
-def _join(threads, within: float) -> None:
-    deadline = time.monotonic() + within
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-        assert not t.is_alive(), "a call hung"
-
-
 # -- with the shared group --------------------------------------------------------------------
 
 
@@ -179,7 +162,7 @@ def test_requests_from_two_processes_spread_over_both_members_and_stay_exact(gro
     for out in outs:
         data = np.load(out)
         for i in range(20):
-            _assert_lone(data[f"pcm_{i}"], data[f"sem_{i}"], data[f"glb_{i}"])
+            assert_lone_int16(data[f"pcm_{i}"], data[f"sem_{i}"], data[f"glb_{i}"])
 
 
 def test_stats_shows_the_members_side_by_side(group, capsys):
@@ -212,8 +195,8 @@ def test_stats_watch_of_a_group_prints_one_line_per_member_and_interval(group, m
         if n is None:
             raise KeyboardInterrupt
         with DecoderClient(group.name) as client:
-            outcomes, threads = _run_calls(client, [_request(i, n=20) for i in range(n)], n_threads=3)
-            _join(threads, within=60)
+            outcomes, threads = _run_calls(client, [seeded_request(i, n=20) for i in range(n)], n_threads=3)
+            join_within(threads, within=60)
             assert all(isinstance(r, np.ndarray) for r in outcomes.values())
 
     monkeypatch.setattr(cli, "_sleep", between_samples)
@@ -233,7 +216,7 @@ def test_stats_watch_of_a_group_prints_one_line_per_member_and_interval(group, m
 def test_killing_a_member_loses_nothing_and_the_supervisor_restarts_it(group):
     """Requests in flight on the killed member go to the other one at once: they all finish
     while the supervisor is held stopped, so the killed member cannot have come back."""
-    reqs = [_request(1000 + i) for i in range(48)]
+    reqs = [seeded_request(1000 + i, n=120) for i in range(48)]
     victim_name = group.members[0]
     epoch = int(read_header(victim_name)["server_epoch"])
     base = group.requests()[0]
@@ -245,13 +228,13 @@ def test_killing_a_member_loses_nothing_and_the_supervisor_restarts_it(group):
             victim = int(read_header(victim_name)["server_pid"])
             os.kill(group.proc.pid, signal.SIGSTOP)  # no restart until the flow has finished
             os.kill(victim, signal.SIGKILL)
-            _join(threads, within=120)
+            join_within(threads, within=120)
             assert probe(victim_name) is not ServerState.SERVING
         finally:
             os.kill(group.proc.pid, signal.SIGCONT)
         assert len(outcomes) == len(reqs)
         for i, result in outcomes.items():
-            _assert_lone(result, *reqs[i])
+            assert_lone_int16(result, *reqs[i])
 
         # The supervisor brings it back, under a new epoch, and the handle uses it again.
         _wait_for(lambda: probe(victim_name) is ServerState.SERVING, 60)
@@ -260,11 +243,11 @@ def test_killing_a_member_loses_nothing_and_the_supervisor_restarts_it(group):
         log = group.log_text()
         assert f"member {victim_name} (device cpu, pid {victim}) was killed by SIGKILL" in log
         assert "restarting it in" in log
-        more = [_request(2000 + i, n=40) for i in range(16)]
+        more = [seeded_request(2000 + i, n=40) for i in range(16)]
         outcomes, threads = _run_calls(client, more, n_threads=4)
-        _join(threads, within=60)
+        join_within(threads, within=60)
         for i, result in outcomes.items():
-            _assert_lone(result, *more[i])
+            assert_lone_int16(result, *more[i])
     assert read_header(victim_name)["requests"] > 0
 
 
@@ -284,11 +267,11 @@ def test_a_second_supervisor_or_server_under_the_same_name_is_refused(group, cap
 
 def test_close_ends_calls_in_flight_on_a_group(group):
     client = DecoderClient(group.name, timeout=None)
-    reqs = [_request(3000 + i, n=1500) for i in range(8)]
+    reqs = [seeded_request(3000 + i, n=1500) for i in range(8)]
     outcomes, threads = _run_calls(client, reqs, n_threads=4)
     _wait_for(lambda: any(client.get_stats()["members"][m]["handle_slots"] for m in group.members), 30)
     client.close()
-    _join(threads, within=5)
+    join_within(threads, within=5)
     for result in outcomes.values():
         assert isinstance(result, (np.ndarray, ClientClosedError)), repr(result)
     assert any(isinstance(r, ClientClosedError) for r in outcomes.values())
@@ -298,7 +281,7 @@ def test_close_ends_calls_in_flight_on_a_group(group):
 
 def test_a_group_handle_carried_across_fork_uses_its_own_slots(group):
     client = DecoderClient(group.name, slots=2, timeout=60)
-    sem, glb = _request(5, n=20)
+    sem, glb = seeded_request(5, n=20)
     try:
         for _ in range(4):  # sequential: the parent ends up with one idle slot per member used
             client.decode(sem, glb)
@@ -322,7 +305,7 @@ def test_a_group_handle_carried_across_fork_uses_its_own_slots(group):
         os.close(r)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        _assert_lone(client.decode(sem, glb), sem, glb)  # the parent is unaffected
+        assert_lone_int16(client.decode(sem, glb), sem, glb)  # the parent is unaffected
         assert parent <= _owned(client)  # still its own slots
     finally:
         client.close()
@@ -349,8 +332,8 @@ def test_sigterm_leaves_nothing_and_a_killed_supervisor_is_taken_over(group_name
     second = _start_group(group_name, log)  # takes the dead supervisor's object over
     try:
         with DecoderClient(group_name, timeout=60) as client:
-            sem, glb = _request(7, n=30)
-            _assert_lone(client.decode(sem, glb), sem, glb)
+            sem, glb = seeded_request(7, n=30)
+            assert_lone_int16(client.decode(sem, glb), sem, glb)
     finally:
         _stop_group(second)
     assert second.proc.returncode == 0

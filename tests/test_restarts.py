@@ -17,7 +17,15 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT, wait_until_serving
-from support import TESTS, GatedDecoder, reference_model, seed_int16, single_decode, worker_command
+from support import (
+    TESTS,
+    GatedDecoder,
+    assert_lone_int16,
+    join_within,
+    reference_model,
+    seeded_request,
+    worker_command,
+)
 
 from bicodec_shm import BiCodecBatchDecoder
 from bicodec_shm.client import DecoderClient
@@ -40,38 +48,30 @@ from bicodec_shm.transport import (
 GLB = np.arange(32) * 7
 
 
-def _request(seed: int, n: int = 30) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 8192, n), rng.integers(0, 4096, 32)
-
-
-def _assert_lone(pcm, sem, glb) -> None:
-    assert isinstance(pcm, np.ndarray), pcm
-    assert np.abs(pcm.astype(np.int32) - seed_int16(single_decode(sem, glb))).max() <= 1
-
-
 def _run_calls(client: DecoderClient, n_sync: int, n_async: int, seed: int = 0):
     """Start sync threads and asyncio requests; returns (requests, outcomes, threads).
 
     Each outcome is (index, seconds, pcm or exception).
     """
-    reqs = [_request(seed + i) for i in range(n_sync + n_async)]
+    reqs = [seeded_request(seed + i, n=30) for i in range(n_sync + n_async)]
     outcomes: list = []
 
     def sync(i):
         t0 = time.monotonic()
         try:
-            outcomes.append((i, time.monotonic() - t0, client.decode(*reqs[i])))
+            result = client.decode(*reqs[i])
         except BaseException as exc:
-            outcomes.append((i, time.monotonic() - t0, exc))
+            result = exc
+        outcomes.append((i, time.monotonic() - t0, result))  # seconds: the whole call
 
     def run_async():
         async def one(i):
             t0 = time.monotonic()
             try:
-                outcomes.append((i, time.monotonic() - t0, await client.decode_async(*reqs[i])))
+                result = await client.decode_async(*reqs[i])
             except BaseException as exc:
-                outcomes.append((i, time.monotonic() - t0, exc))
+                result = exc
+            outcomes.append((i, time.monotonic() - t0, result))
 
         async def main():
             await asyncio.gather(*(one(i) for i in range(n_sync, n_sync + n_async)))
@@ -85,19 +85,12 @@ def _run_calls(client: DecoderClient, n_sync: int, n_async: int, seed: int = 0):
     return reqs, outcomes, threads
 
 
-def _join(threads, within: float) -> None:
-    deadline = time.monotonic() + within
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-        assert not t.is_alive(), "a call hung"
-
-
 def test_a_client_recovers_after_a_restart_that_follows_an_abandoned_slot(start_server, shm_name):
     """Finding 1: a slot abandoned at a timeout is forgotten when the server is replaced."""
     server = start_server()
-    sem, glb = _request(1)
+    sem, glb = seeded_request(1, n=30)
     with DecoderClient(shm_name, slots=1, timeout=1.0) as client:
-        _assert_lone(client.decode(sem, glb), sem, glb)
+        assert_lone_int16(client.decode(sem, glb), sem, glb)
         os.kill(server.pid, signal.SIGSTOP)  # hung: alive (it holds its lock) but silent
         with pytest.raises(DecodeTimeoutError):
             client.decode(sem, glb)  # its one slot is now abandoned
@@ -105,7 +98,7 @@ def test_a_client_recovers_after_a_restart_that_follows_an_abandoned_slot(start_
         server.wait()
         start_server()
         for _ in range(3):
-            _assert_lone(client.decode(sem, glb, timeout=30), sem, glb)
+            assert_lone_int16(client.decode(sem, glb, timeout=30), sem, glb)
 
 
 def test_a_hung_server_killed_and_replaced_answers_every_waiter(start_server, shm_name):
@@ -121,12 +114,12 @@ def test_a_hung_server_killed_and_replaced_answers_every_waiter(start_server, sh
         server.kill()
         server.wait()
         start_server()
-        _join(threads, within=60)
+        join_within(threads, within=60)
     finally:
         client.close()
     assert len(outcomes) == 4
     for i, _, result in outcomes:
-        _assert_lone(result, *reqs[i])
+        assert_lone_int16(result, *reqs[i])
 
 
 def test_waiters_on_a_server_that_dies_for_good_get_a_library_error_within_their_timeout(
@@ -142,13 +135,13 @@ def test_waiters_on_a_server_that_dies_for_good_get_a_library_error_within_their
         time.sleep(0.5)
         server.kill()
         server.wait()
-        _join(threads, within=10)
+        join_within(threads, within=10)
     finally:
         client.close()
     assert len(outcomes) == 4
     for _, seconds, result in outcomes:
         assert isinstance(result, ServerUnavailableError), repr(result)
-        assert seconds <= 3.0 + 0.5
+        assert seconds <= 3.0 + 1.0, seconds  # the timeout, and scheduling slack on a busy CI
 
 
 def test_close_ends_every_call_in_flight_within_a_second(thread_server, shm_name):
@@ -161,7 +154,7 @@ def test_close_ends_every_call_in_flight_within_a_second(thread_server, shm_name
         time.sleep(0.5)
         t0 = time.monotonic()
         client.close()
-        _join(threads, within=1.5)
+        join_within(threads, within=1.5)
         assert time.monotonic() - t0 <= 1.0 + 0.5
     finally:
         decoder.gate.set()
@@ -207,7 +200,7 @@ def _mappings(name: str) -> int:
 def test_the_clients_descriptors_and_mappings_stay_constant_over_20_server_restarts(shm_name):
     """Finding 5: each replaced server's attachment is closed, descriptors and pages with it."""
     model = reference_model()
-    sem, glb = _request(5)
+    sem, glb = seeded_request(5, n=30)
     client = None
     baseline = None
     try:
@@ -216,8 +209,8 @@ def test_the_clients_descriptors_and_mappings_stay_constant_over_20_server_resta
             server.start_thread()
             if client is None:
                 client = DecoderClient(shm_name, timeout=30)
-            _assert_lone(client.decode(sem, glb), sem, glb)
-            _assert_lone(asyncio.run(client.decode_async(sem, glb)), sem, glb)
+            assert_lone_int16(client.decode(sem, glb), sem, glb)
+            assert_lone_int16(asyncio.run(client.decode_async(sem, glb)), sem, glb)
             # The previous attachment goes once its last user (its waiter thread) leaves.
             deadline = time.monotonic() + 2
             while baseline is not None and (_descriptors(), _mappings(shm_name)) != baseline:
@@ -251,8 +244,8 @@ def test_two_servers_started_at_the_same_moment_exactly_one_serves(tmp_path):
             assert "already serving" in losers[0][1]
             assert losers[0][0].wait(30) == 3
             with DecoderClient(name, timeout=30) as client:
-                sem, glb = _request(6)
-                _assert_lone(client.decode(sem, glb), sem, glb)
+                sem, glb = seeded_request(6, n=30)
+                assert_lone_int16(client.decode(sem, glb), sem, glb)
     finally:
         for pair in procs.values():
             for p in pair:
@@ -296,13 +289,13 @@ def test_a_rolling_restart_under_load_loses_nothing(start_server, shm_name, tmp_
     for out in outs:
         with np.load(out) as z:
             for i in range(25):
-                _assert_lone(z[f"pcm_{i}"], z[f"sem_{i}"], z[f"glb_{i}"])
+                assert_lone_int16(z[f"pcm_{i}"], z[f"sem_{i}"], z[f"glb_{i}"])
     assert stats_from_header(read_header(shm_name))["failed"] == 0
 
 
 def test_sigterm_leaves_queued_requests_to_the_next_server(start_server, shm_name):
     """Finding 10, directly: requests queued behind a slow batch at SIGTERM are not failed."""
-    sem, glb = _request(7, n=60)
+    sem, glb = seeded_request(7, n=60)
     server = start_server("--max-batch", "1")
     with DecoderClient(shm_name, slots=8, timeout=60) as client:
         reqs, outcomes, threads = _run_calls(client, n_sync=6, n_async=0, seed=20)
@@ -310,9 +303,9 @@ def test_sigterm_leaves_queued_requests_to_the_next_server(start_server, shm_nam
         server.send_signal(signal.SIGTERM)
         assert server.wait(30) == 0
         start_server()
-        _join(threads, within=60)
+        join_within(threads, within=60)
     for i, _, result in outcomes:
-        _assert_lone(result, *reqs[i])
+        assert_lone_int16(result, *reqs[i])
 
 
 # Start `serve` with SIGINT ignored (as a shell starts `serve &` or a nohup'ed job) or at its

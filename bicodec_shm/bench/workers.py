@@ -168,7 +168,7 @@ def _shm_server(name: str, spec: ModelSpec, threads: int, policy: Policy, slots:
         # An orphaned server stops like a SIGTERMed one: finish the batch, unlink everything.
         _child_setup(on_orphan=server.stop)
         events.put(("ready", "server"))
-        server.serve_forever()  # until SIGTERM (or SIGINT) from the parent
+        server.serve_forever()  # until SIGTERM from the parent (SIGINT stays ignored: see above)
 
 
 @contextlib.contextmanager

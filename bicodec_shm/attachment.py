@@ -279,15 +279,8 @@ class Attachment:
     def _release(self, slots: list[int]) -> None:
         try:
             with self.use() as seg:
-                f = seg.field
                 for slot in slots:
-                    f["owner_pid"][slot] = 0
-                    f["handle_id"][slot] = 0
-                    # Order matters: FREE before unlocking (the next claimer checks it under
-                    # the lock), and the doorbell after.
-                    f["state"][slot] = FREE
-                    seg.unlock_slot(slot)
-                    seg.free.release()
+                    seg.free_slot(slot)
         except Gone:
             pass  # the server went away: those slots go with the attachment
 
@@ -529,17 +522,13 @@ class Attachment:
         if seg.field:
             # Hand idle slots straight back; slots still in flight (READY, BUSY) go to the
             # server's reaper once our locks drop, after the server has finished with them.
-            f = seg.field
+            states = seg.field["state"]
             for slot in self.owned:
-                if int(f["state"][slot]) in (CLAIMED, DONE):
-                    f["owner_pid"][slot] = 0
-                    f["handle_id"][slot] = 0
-                    f["state"][slot] = FREE
-                    seg.unlock_slot(slot)
+                if int(states[slot]) in (CLAIMED, DONE):
                     try:
-                        seg.free.release()
+                        seg.free_slot(slot)
                     except (posix_ipc.Error, BiCodecShmError):
-                        pass  # the server is gone: nobody waits for the doorbell
+                        pass  # the server is gone (its doorbell with it): nobody waits
         seg.close()  # closes the lock descriptor: every lock of ours drops with it
 
     def forget_after_fork(self) -> None:

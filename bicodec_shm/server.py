@@ -507,20 +507,17 @@ class DecoderServer:
         for slot in np.flatnonzero(f["state"] != FREE).tolist():
             if slot in held or not seg.try_lock_slot(slot):
                 continue  # in a batch, or its owner is alive
+            if f["state"][slot] == FREE:
+                seg.unlock_slot(slot)  # given back between the scan and the lock
+                continue
+            f["generation"][slot] += 1  # a late result can never match the next owner
+            self._confirmed.discard(slot)
             try:
-                if f["state"][slot] == FREE:
-                    continue  # given back between the scan and the lock
-                f["generation"][slot] += 1  # a late result can never match the next owner
-                f["owner_pid"][slot] = 0
-                f["handle_id"][slot] = 0
-                f["state"][slot] = FREE
-                drain(seg.req(slot))
+                drain(seg.req(slot))  # the dead owner's posts must not reach the next one
                 drain(seg.done(slot))
-                self._confirmed.discard(slot)
-                reclaimed += 1
             finally:
-                seg.unlock_slot(slot)
-            seg.free.release()
+                seg.free_slot(slot)
+            reclaimed += 1
         if reclaimed:
             with self._counters_lock:
                 seg.counters[C_RECLAIMED] += reclaimed

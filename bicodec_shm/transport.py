@@ -727,6 +727,19 @@ class Segment:
     def unlock_slot(self, slot: int) -> None:
         unlock(self._lock_fd, SLOT_BYTE0 + slot)
 
+    def free_slot(self, slot: int) -> None:
+        """Hand ``slot``, whose lock we hold, back to the table (transitions 6 and 7 above).
+
+        Order matters: the owner fields and FREE first, then the unlock (the next claimer
+        re-checks FREE under the lock, and the unlock orders these stores before it), then the
+        ``free`` doorbell for anyone waiting to claim."""
+        f = self.field
+        f["owner_pid"][slot] = 0
+        f["handle_id"][slot] = 0
+        f["state"][slot] = FREE
+        self.unlock_slot(slot)
+        self.free.release()
+
     def try_lock_bell(self, index: int) -> bool:
         return try_lock(self._lock_fd, BELL_BYTE0 + index)
 

@@ -205,12 +205,7 @@ class Lane:
     def _run_sequential(self) -> None:
         while (batch := self._take(True)) is not STOP:
             self._on_start(batch, self.index)
-            try:
-                self._decode(batch)
-            except Exception:  # a bug of ours must not take the lane, and its slots, with it
-                log.exception("lane %d failed on a batch of %d", self.index, len(batch.requests))
-            finally:
-                self._on_finish(batch, self.index)
+            self._decode_and_release(batch)
 
     def _run_pipelined(self) -> None:
         prev: _InFlight | None = None
@@ -222,8 +217,7 @@ class Lane:
                 try:
                     current = self.runner.launch(batch)
                 except Exception:
-                    self._decode(batch)  # the split-and-retry path, run to the end now
-                    self._on_finish(batch, self.index)
+                    self._decode_and_release(batch)  # split and retry, run to the end now
             if prev is not None:
                 self._complete(prev)
             prev = current
@@ -231,12 +225,28 @@ class Lane:
                 return
 
     def _complete(self, inflight: _InFlight) -> None:
-        batch = inflight.batch
+        """Wait for a launched batch's host copy and publish it; if the device failed it, run
+        it again through split-and-retry."""
         try:
             decoded = inflight.wait()
-            self._on_publish(batch, decoded, time.perf_counter_ns() - inflight.t0)
         except Exception:
-            self._decode(batch)
+            self._decode_and_release(inflight.batch)
+            return
+        self._publish_and_release(inflight.batch, decoded, time.perf_counter_ns() - inflight.t0)
+
+    def _decode_and_release(self, batch: Batch) -> None:
+        self._release_after(batch, self._decode, batch)
+
+    def _publish_and_release(self, batch: Batch, decoded: Decoded, elapsed_ns: int) -> None:
+        self._release_after(batch, self._on_publish, batch, decoded, elapsed_ns)
+
+    def _release_after(self, batch: Batch, step: Callable[..., None], *args: Any) -> None:
+        """Run ``step``, then release the batch's slots whatever happens: a bug of ours must not
+        take the lane, or the slots it holds, with it."""
+        try:
+            step(*args)
+        except Exception:
+            log.exception("lane %d failed on a batch of %d", self.index, len(batch.requests))
         finally:
             self._on_finish(batch, self.index)
 

@@ -433,6 +433,39 @@ def test_a_poisoned_row_fails_alone_with_several_lanes(thread_server, shm_name, 
         np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
 
 
+class _PipelinedServer(DecoderServer):
+    """The CUDA lane's control flow (launch batch k, then publish batch k-1) on the CPU, where
+    a launched batch's host copy is already complete: the ordering and the failure paths run,
+    the device overlap does not."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pipeline = True
+
+
+def test_the_pipelined_lane_gives_each_row_its_lone_decode_and_fails_a_poisoned_row_alone(shm_name):
+    decoder = GatedDecoder()
+    server = _PipelinedServer(decoder, shm_name, max_batch=3, min_fill=0.0, max_batch_tokens=None,
+                              lanes=1)  # fmt: skip
+    thread = server.start_thread()
+    try:
+        reqs = _requests(34, 10)
+        bad = (np.full(12, POISON), np.zeros(32, np.int64))
+        with DecoderClient(shm_name, slots=11) as client:
+            threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set())).start()
+            results = _decode_all_concurrently(client, reqs[:4] + [bad] + reqs[4:], dtype="float32")
+    finally:
+        server.stop()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert len(decoder.calls) >= 4  # several batches went through launch-then-publish
+    assert isinstance(results[4], DecodeError) and "poisoned input" in str(results[4])
+    for (sem, glb), pcm in zip(reqs, results[:4] + results[5:]):
+        assert isinstance(pcm, np.ndarray), pcm
+        np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
+    assert leftover_objects(shm_name) == []
+
+
 def test_reaping_never_touches_a_slot_a_lane_holds(thread_server, shm_name):
     """Clients killed mid-batch, lanes on: their slots stay BUSY (not reclaimed, not rewritten)
     until the lane has published, then come back with their generation bumped."""

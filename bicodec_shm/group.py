@@ -36,7 +36,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import posix_ipc
 
 from .attachment import SLICE, Attachment, Gone
 from .errors import BiCodecShmError, SegmentError, ServerAlreadyRunningError, ServerUnavailableError
@@ -45,6 +44,7 @@ from .transport import (
     COUNTERS,
     DEFAULT_MODE,
     GROUP_MAGIC,
+    HEADER_DT,
     MAGIC,
     READY,
     SERVING_BYTE,
@@ -52,9 +52,8 @@ from .transport import (
     _own_name,
     _same_inode,
     _unlink_segment,
-    held_elsewhere,
     probe,
-    read_header,
+    read_record,
     stats_from_header,
     try_lock,
     unlock,
@@ -231,20 +230,10 @@ def read_group(name: str) -> GroupInfo | None:
 
     Raises ``SegmentError`` for a group object of another version.
     """
-    validate_name(name)
-    try:
-        shm = posix_ipc.SharedMemory(f"/{name}")
-    except posix_ipc.Error:
+    record = read_record(name, GROUP_DT)
+    if record is None:
         return None
-    try:
-        fd = shm.fd
-        # Order matters: the lock first, then the header (see "Memory ordering" above).
-        alive = held_elsewhere(fd, SERVING_BYTE)
-        if os.fstat(fd).st_size < GROUP_DT.itemsize:
-            return None
-        h = np.frombuffer(os.pread(fd, GROUP_DT.itemsize, 0), GROUP_DT, 1)[0]
-    finally:
-        shm.close_fd()
+    h, alive = record
     if int(h["magic"]) != GROUP_MAGIC:
         return None
     if int(h["version"]) != GROUP_VERSION:
@@ -268,10 +257,11 @@ def read_group(name: str) -> GroupInfo | None:
 def member_stats(name: str) -> dict | None:
     """``stats_from_header`` of the segment ``name`` plus ``server_alive``; None if there is
     no complete segment under ``name`` (the member is down or starting)."""
-    header = read_header(name)
-    if header is None or int(header["magic"]) != MAGIC:
+    record = read_record(name, HEADER_DT)
+    if record is None or int(record[0]["magic"]) != MAGIC:
         return None
-    return stats_from_header(header) | {"server_alive": probe(name) is ServerState.SERVING}
+    header, serving = record
+    return stats_from_header(header) | {"server_alive": serving}
 
 
 def group_stats(info: GroupInfo) -> dict:

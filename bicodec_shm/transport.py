@@ -953,20 +953,32 @@ def _read_layout(name: str, fd: int) -> Layout:
     return layout
 
 
-def read_header(name: str) -> np.void | None:
-    """A copy of the raw header of ``/dev/shm/NAME`` without validating it, or None if the
-    name does not exist or is too small to hold a header."""
+def read_record(name: str, dtype: np.dtype) -> tuple[np.void, bool] | None:
+    """A private copy of the ``dtype`` record at the start of ``/dev/shm/NAME``, unvalidated,
+    and whether a live process holds the object's SERVING lock; None if the name does not
+    exist or is too small. (A segment's header, or a server group's record: group.py.)
+
+    The lock is probed before the record is read: its holder wrote the record before taking
+    the lock (see "Memory ordering")."""
     validate_name(name)
     try:
         shm = posix_ipc.SharedMemory(f"/{name}")
     except posix_ipc.Error:
         return None
     try:
-        if os.fstat(shm.fd).st_size < HEADER_SIZE:
+        serving = held_elsewhere(shm.fd, SERVING_BYTE)
+        if os.fstat(shm.fd).st_size < dtype.itemsize:
             return None
-        return np.frombuffer(os.pread(shm.fd, HEADER_DT.itemsize, 0), HEADER_DT, 1)[0].copy()
+        return np.frombuffer(os.pread(shm.fd, dtype.itemsize, 0), dtype, 1)[0].copy(), serving
     finally:
         shm.close_fd()
+
+
+def read_header(name: str) -> np.void | None:
+    """A copy of the raw header of ``/dev/shm/NAME`` without validating it, or None if the
+    name does not exist or is too small to hold a header."""
+    record = read_record(name, HEADER_DT)
+    return None if record is None else record[0]
 
 
 def stats_from_header(h: np.void | np.ndarray) -> dict:

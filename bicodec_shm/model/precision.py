@@ -43,11 +43,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     raise ValueError(f"dtype must be one of {allowed} (a string or the torch dtype), got {dtype!r}")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
 def apply_dtype(model: nn.Module, dtype: str | torch.dtype | None) -> nn.Module:
     """Cast ``model`` in place to ``dtype``, keeping every ``keep_float32`` module in float32.
 

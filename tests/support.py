@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -64,6 +65,32 @@ def join_within(threads, within: float) -> None:
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
         assert not t.is_alive(), "a call hung"
+
+
+def check_in_forked_child(check) -> None:
+    """Fork; in the child run ``check()`` (True: pass) and exit with its verdict; assert that
+    the child passed. The parent's threads go on running in the parent only, as in a worker
+    that forks while it has calls in flight."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork() with threads running: that is what these tests do.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1  # an exception in check()
+        try:
+            code = 0 if check() else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    try:
+        verdict = os.read(r, 1)
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert verdict == b"\x00", f"the forked child failed its check (code {verdict!r})"
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def worker_command(*args: str) -> list[str]:

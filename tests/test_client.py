@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import threading
-import warnings
 
 import numpy as np
 import pytest
-from support import GatedDecoder, seed_int16, single_decode
+from support import GatedDecoder, check_in_forked_child, seed_int16, single_decode
 
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import BiCodecShmError, DecodeTimeoutError, ServerUnavailableError
@@ -178,27 +176,12 @@ def test_handle_carried_across_fork_reattaches_with_its_own_slots(thread_server,
         client.decode([9, 9, 9], GLB)
         parent_slots = set(client._att.owned)
         assert len(parent_slots) == 1
-        r, w = os.pipe()
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns about fork() in a process with threads; forking a worker
-            # that holds a handle is exactly what this test is about.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # child: must not use the parent's slots
-            code = 1
-            try:
-                pcm = client.decode([9, 9, 9], GLB)
-                child_slots = set(client._att.owned)
-                ok = pcm.shape == (3 * HOP,) and not (child_slots & parent_slots)
-                code = 0 if ok else 2
-            finally:
-                os.write(w, bytes([code]))
-                os._exit(code)
-        os.close(w)
-        assert os.read(r, 1) == b"\x00"
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+
+        def child_uses_slots_of_its_own():
+            pcm = client.decode([9, 9, 9], GLB)
+            return pcm.shape == (3 * HOP,) and not (set(client._att.owned) & parent_slots)
+
+        check_in_forked_child(child_uses_slots_of_its_own)
         assert client.decode([9, 9, 9], GLB).shape == (3 * HOP,)  # the parent is unaffected
         assert set(client._att.owned) == parent_slots
     finally:

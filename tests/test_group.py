@@ -14,14 +14,13 @@ import signal
 import subprocess
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from conftest import ROOT, serve_command
-from support import assert_lone_int16, join_within, seeded_request, worker_command
+from support import assert_lone_int16, check_in_forked_child, join_within, seeded_request, worker_command
 
 from bicodec_shm import cli, processes
 from bicodec_shm.client import DecoderClient
@@ -287,24 +286,12 @@ def test_a_group_handle_carried_across_fork_uses_its_own_slots(group):
             client.decode(sem, glb)
         parent = _owned(client)
         assert parent
-        r, w = os.pipe()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
-            pid = os.fork()
-        if pid == 0:  # child: must attach afresh and never use the parent's slots
-            code = 1
-            try:
-                pcm = client.decode(sem, glb)
-                ok = np.array_equal(pcm, client.decode(sem, glb)) and not (_owned(client) & parent)
-                code = 0 if ok else 2
-            finally:
-                os.write(w, bytes([code]))
-                os._exit(code)
-        os.close(w)
-        assert os.read(r, 1) == b"\x00"
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+
+        def child_attaches_afresh_with_slots_of_its_own():
+            pcm = client.decode(sem, glb)
+            return np.array_equal(pcm, client.decode(sem, glb)) and not (_owned(client) & parent)
+
+        check_in_forked_child(child_attaches_afresh_with_slots_of_its_own)
         assert_lone_int16(client.decode(sem, glb), sem, glb)  # the parent is unaffected
         assert parent <= _owned(client)  # still its own slots
     finally:

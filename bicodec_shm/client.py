@@ -188,9 +188,9 @@ class DecoderClient:
         self._closed = True
         att, self._att = self._att, None
         if self._group is not None and self._pid == os.getpid():
-            self._group.close(ClientClosedError(f"this DecoderClient of {self.name!r} was closed"))
+            self._group.close(self._closed_error())
         if att is not None and self._pid == os.getpid():
-            att.close(ClientClosedError(f"this DecoderClient of {self.name!r} was closed"))
+            att.close(self._closed_error())
 
     def __enter__(self) -> DecoderClient:
         return self
@@ -209,11 +209,16 @@ class DecoderClient:
         owned = len(att.owned) if att is not None else 0
         return f"<DecoderClient {self.name!r} slots={owned}/{self.max_slots} timeout={self.timeout}>"
 
+    def _closed_error(self) -> ClientClosedError:
+        """A fresh one per caller (one instance raised in several threads would garble its
+        traceback)."""
+        return ClientClosedError(f"this DecoderClient of {self.name!r} is closed")
+
     # -- request plumbing ---------------------------------------------------------------------
 
     def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> tuple:
         if self._closed:
-            raise ClientClosedError(f"this DecoderClient of {self.name!r} is closed")
+            raise self._closed_error()
         # Limits of the current server (or of the last one, while it is being replaced).
         vocab, global_vocab, max_tokens = self._limits
         semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=vocab, max_len=max_tokens)
@@ -258,11 +263,11 @@ class DecoderClient:
             self._forked()
         if self._group is not None:  # a server group: the router picks a member per request
             if self._closed:
-                raise ClientClosedError(f"this DecoderClient of {self.name!r} is closed")
+                raise self._closed_error()
             return self._group.attachment(deadline, block=block)
         while True:
             if self._closed:
-                raise ClientClosedError(f"this DecoderClient of {self.name!r} is closed")
+                raise self._closed_error()
             att = self._att
             if att is not None and att.retired is None:
                 return att
@@ -292,7 +297,7 @@ class DecoderClient:
             if self._att is att:
                 self._att = None
         if self._closed:
-            raise ClientClosedError(f"this DecoderClient of {self.name!r} was closed")
+            raise self._closed_error()
 
     def _forked(self) -> None:
         """In a forked child: the parent's attachment (and its slots) are not ours."""

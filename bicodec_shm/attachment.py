@@ -140,13 +140,10 @@ class Attachment:
     def take_slot(self, deadline: float) -> int:
         """An owned slot ready for a request; blocks (in slices) until one is free."""
         while True:
-            slot, may_claim = self._take_local()
+            slot, claimed = self._take_or_claim()
             if slot is not None:
                 return slot
-            if may_claim:
-                slot = self._claim_or_none()
-                if slot is not None:
-                    return slot
+            if claimed:  # the segment had no FREE slot
                 self._wait_for_segment_slot(deadline)
             else:
                 with self.lock:
@@ -158,14 +155,10 @@ class Attachment:
         """``take_slot`` for asyncio: never blocks the event loop."""
         loop = asyncio.get_running_loop()
         while True:
-            slot, may_claim = self._take_local()
+            slot, claimed = self._take_or_claim()
             if slot is not None:
                 return slot
-            if may_claim:
-                slot = self._claim_or_none()
-                if slot is not None:
-                    return slot
-                # No FREE slot in the segment: look again shortly (only under exhaustion).
+            if claimed:  # no FREE slot in the segment: look again shortly (only under exhaustion)
                 await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
             else:
                 future = loop.create_future()
@@ -182,6 +175,15 @@ class Attachment:
                         if entry in self.async_slot_waiters:
                             self.async_slot_waiters.remove(entry)
             self._check_slot_wait(deadline)
+
+    def _take_or_claim(self) -> tuple[int | None, bool]:
+        """An idle slot of ours, else a FREE slot of the segment if our limit allows one.
+        Returns (slot or None, whether a claim was tried): with None, the caller waits for one
+        of ours to come back (no claim allowed) or for the segment (the claim found none)."""
+        slot, may_claim = self._take_local()
+        if slot is None and may_claim:
+            slot = self._claim_or_none()
+        return slot, may_claim
 
     def _take_local(self) -> tuple[int | None, bool]:
         with self.lock:

@@ -11,6 +11,7 @@ Shapes: ``B`` rows in the batch, ``T`` the longest row's tokens, ``N = 320·T`` 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,29 +25,39 @@ from .transport import (
     N_GLOBAL,
     NO_BELL,
     READY,
+    REQUEST_ID,
     SLOT_DT,
     Segment,
     Status,
 )
 
+log = logging.getLogger("bicodec_shm.server")
+
+
+# A client-written submit time is trusted only within this much before the server first saw
+# the request (and never after it): garbage there must not overflow the server's accounting,
+# nor, being the batch order's key otherwise, let one client jump every queue.
+TRUSTED_QUEUE_NS = 3600 * 10**9
+
 
 @dataclass
 class Requests:
-    """Validated headers of confirmed READY slots (private copies), all arrays (B,)."""
+    """Validated headers of confirmed READY slots (private copies); arrays of B rows."""
 
-    slots: np.ndarray  # int64
-    lengths: np.ndarray  # int64, each in 1..max_tokens
-    seqs: np.ndarray  # uint64, echoed into result_seq
-    dtypes: np.ndarray  # uint32, OutputDtype
-    notify: np.ndarray  # uint32, a bell or NO_BELL
-    submitted_ns: np.ndarray  # uint64
+    slots: np.ndarray  # (B,) int64
+    lengths: np.ndarray  # (B,) int64, each in 1..max_tokens
+    ids: np.ndarray  # (B, 3) uint64: the request's identity, copied into the answer
+    dtypes: np.ndarray  # (B,) uint32, OutputDtype
+    notify: np.ndarray  # (B,) uint32, a bell or NO_BELL
+    submitted_ns: np.ndarray  # (B,) int64: the client's submit time, clamped to seen_ns
+    seen_ns: np.ndarray  # (B,) int64: when the server took the request's req.I (batch order)
 
     def take(self, index: np.ndarray | list[int]) -> Requests:
         """The rows ``index`` as a new ``Requests``."""
         if len(self.slots) == 1 and len(index) == 1:
             return self
-        return Requests(*(a[index] for a in (self.slots, self.lengths, self.seqs, self.dtypes,
-                                               self.notify, self.submitted_ns)))  # fmt: skip
+        return Requests(*(a[index] for a in (self.slots, self.lengths, self.ids, self.dtypes,
+                                               self.notify, self.submitted_ns, self.seen_ns)))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -86,13 +97,15 @@ class Batch:
 Failure = tuple[int, int, str]  # (slot, Status, message)
 
 
-def check_headers(seg: Segment, slots: np.ndarray, *, n_bells: int) -> tuple[Requests, list[Failure]]:
-    """Copy the headers of ``slots`` (confirmed: their req.I was taken) and validate them.
+def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bells: int,
+                  ) -> tuple[Requests, list[Failure]]:  # fmt: skip
+    """Copy the headers of ``slots`` (confirmed: their req.I was taken at ``seen_ns``, (B,)
+    int64) and validate them.
 
     Returns the valid rows and a failure for each invalid one; rows not READY are dropped.
     """
     if len(slots) == 1:
-        return _check_one(seg, int(slots[0]), n_bells=n_bells)
+        return _check_one(seg, int(slots[0]), int(seen_ns[0]), n_bells=n_bells)
     rows = seg.slots[slots]  # a private copy of each header: later client writes cannot reach it
     n = rows["n_tokens"].astype(np.int64)
     notify = rows["notify"]
@@ -114,13 +127,17 @@ def check_headers(seg: Segment, slots: np.ndarray, *, n_bells: int) -> tuple[Req
                     for j in np.flatnonzero(bad).tolist()]  # fmt: skip
         stray |= bad
     ok = ~stray
+    seen = np.asarray(seen_ns, np.int64)[ok]
+    # Clamped in uint64 first: a garbage submit time must not wrap when made signed.
+    submitted = rows["t_submit_ns"][ok].clip(0, np.uint64(2**62)).astype(np.int64)
     requests = Requests(
         slots=np.asarray(slots, np.int64)[ok],
         lengths=n[ok],
-        seqs=rows["request_seq"][ok],
+        ids=np.stack([rows[f][ok] for f in REQUEST_ID], axis=1),  # (B, 3)
         dtypes=rows["dtype"][ok],
         notify=notify[ok],
-        submitted_ns=rows["t_submit_ns"][ok],
+        submitted_ns=submitted.clip(seen - TRUSTED_QUEUE_NS, seen),
+        seen_ns=seen,
     )
     return requests, failures
 
@@ -128,7 +145,7 @@ def check_headers(seg: Segment, slots: np.ndarray, *, n_bells: int) -> tuple[Req
 _FIELD = {name: i for i, name in enumerate(SLOT_DT.names)}
 
 
-def _check_one(seg: Segment, slot: int, *, n_bells: int) -> tuple[Requests, list[Failure]]:
+def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Requests, list[Failure]]:
     """``check_headers`` for a single slot, with Python scalars: the common case at low load
     costs a few microseconds instead of a dozen numpy calls."""
     # A private copy, as above, as one tuple of Python scalars: np.void.copy() costs ~9 us.
@@ -145,20 +162,24 @@ def _check_one(seg: Segment, slot: int, *, n_bells: int) -> tuple[Requests, list
     ):
         row = dict(zip(SLOT_DT.names, v))
         return _empty_requests(), [(slot, *_problem(row, seg.layout.max_tokens, n_bells))]
+    submitted = min(max(v[_FIELD["t_submit_ns"]], seen - TRUSTED_QUEUE_NS), seen)
     requests = Requests(
         slots=np.array([slot], np.int64),
         lengths=np.array([n], np.int64),
-        seqs=np.array([v[_FIELD["request_seq"]]], np.uint64),
+        ids=np.array([[v[_FIELD[f]] for f in REQUEST_ID]], np.uint64),
         dtypes=np.array([v[_FIELD["dtype"]]], np.uint32),
         notify=np.array([notify], np.uint32),
-        submitted_ns=np.array([v[_FIELD["t_submit_ns"]]], np.uint64),
+        submitted_ns=np.array([submitted], np.int64),
+        seen_ns=np.array([seen], np.int64),
     )
     return requests, []
 
 
 def _empty_requests() -> Requests:
-    return Requests(*(np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint64, np.uint32,
-                                                 np.uint32, np.uint64)))  # fmt: skip
+    empty = [np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint64, np.uint32, np.uint32,
+                                        np.int64, np.int64)]  # fmt: skip
+    empty[2] = np.zeros((0, 3), np.uint64)
+    return Requests(*empty)
 
 
 def _problem(row: np.void | dict, max_tokens: int, n_bells: int) -> tuple[int, str]:
@@ -248,7 +269,7 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
         f = seg.field
         f["status"][s] = Status.OK
         f["n_samples"][s] = int(req.lengths[0]) * HOP
-        f["result_seq"][s] = int(req.seqs[0])
+        seg.result_id[s] = req.ids[0]  # the answer names its request
         f["t_done_ns"][s] = now
         f["state"][s] = DONE  # order matters, as below
         return now
@@ -261,7 +282,7 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
     f = seg.field
     f["status"][slots] = Status.OK
     f["n_samples"][slots] = req.lengths * HOP
-    f["result_seq"][slots] = req.seqs
+    seg.result_id[slots] = req.ids  # each answer names its request
     f["t_done_ns"][slots] = now
     # Order matters: audio and result fields above, then the state word; the posts (``ring``)
     # come after the caller has counted the batch, so that an owner who reads the counters
@@ -270,15 +291,16 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
     return now
 
 
-def publish_failure(seg: Segment, slot: int, status: int, message: str, *, seq: int | None = None,
-                    notify: int | None = None) -> int:  # fmt: skip
+def publish_failure(seg: Segment, slot: int, status: int, message: str, *,
+                    ids: np.ndarray | None = None, notify: int | None = None) -> int:  # fmt: skip
     """Write an error as one request's answer (then ``ring`` it with the returned bell).
 
-    ``seq``/``notify`` come from a validated copy of the header when known.
+    ``ids`` (3,) (the request's identity) and ``notify`` come from a validated copy of the
+    header when known; else they are read from the slot now.
     """
     f = seg.field
-    if seq is None:
-        seq = int(f["request_seq"][slot])
+    if ids is None:
+        ids = seg.request_id[slot].copy()
     if notify is None:
         notify = int(f["notify"][slot])
         if notify != NO_BELL and notify >= seg.layout.n_slots:
@@ -286,15 +308,21 @@ def publish_failure(seg: Segment, slot: int, status: int, message: str, *, seq: 
     f["status"][slot] = status
     f["n_samples"][slot] = 0
     f["error"][slot] = message.encode("utf-8")[:ERROR_TEXT_BYTES]
-    f["result_seq"][slot] = seq
+    seg.result_id[slot] = ids
     f["t_done_ns"][slot] = time.monotonic_ns()
     f["state"][slot] = DONE  # order matters: after the result fields, before the post
     return notify
 
 
 def ring(seg: Segment, slots: list[int], bells: list[int]) -> None:
-    """Post each answered slot's ``done`` (and its bell): its owner may read the result now."""
+    """Post each answered slot's ``done`` (and its bell): its owner may read the result now.
+
+    Every row is rung whatever fails for another: one bad post must not leave its batchmates
+    waiting for an answer that is already written."""
     for slot, bell in zip(slots, bells):
-        seg.done(slot).release()  # the pairing post: the owner reads the result after taking it
-        if bell != NO_BELL:
-            seg.bell(bell).release()  # a wake-up only, after done.I
+        try:
+            seg.done(slot).release()  # the pairing post: the owner reads the result after taking it
+            if bell != NO_BELL:
+                seg.bell(bell).release()  # a wake-up only, after done.I
+        except Exception:  # noqa: BLE001 - a semaphore error must not cost the other rows
+            log.exception("could not ring slot %d", slot)

@@ -51,15 +51,33 @@ child never keeps its parent's slots, bells or server locks alive.
 
 Slot states (``SlotState``), and who moves a slot from each::
 
-    1. FREE    -> CLAIMED   client, holding the slot's lock
-    2. CLAIMED -> READY     client: payload, fields, state; then post req.I, then post ready
+    1. FREE    -> CLAIMED   client, holding the slot's lock; it bumps ``generation`` (the claim
+                            epoch) and drains the slot's stale posts
+    2. CLAIMED -> READY     client: payload, fields, request identity, state; then post req.I,
+                            then post ready
     3. READY   -> BUSY      server, after taking req.I, when the slot joins a batch
-    4. BUSY    -> DONE      server: PCM, status, fields, state; then post done.I (and bell J)
-    5. DONE    -> CLAIMED   client, after taking done.I and copying its result out
-    6. CLAIMED -> FREE      client when it gives an idle slot back (then unlock, post free)
-    7. any     -> FREE      the server's reaper, holding the slot's lock after its owner died,
-                            for a slot no batch holds; it bumps ``generation`` so that a late
-                            result can never reach the slot's next owner
+    4. BUSY    -> DONE      server: PCM, status, answer identity, state; then post done.I (and
+                            bell J), then the slot leaves the batch's held set
+    5. DONE    -> CLAIMED   client, after taking done.I and checking the answer's identity
+    6. CLAIMED -> FREE      client, for a slot in state CLAIMED only (then unlock, post free)
+    7. any     -> FREE      the server's reaper, holding the slot's lock after its owner died
+                            or let go, for a slot no batch holds; it bumps ``generation``
+
+Nobody else frees a slot. A client that lets go of a slot in any other state (closing with a
+request READY, BUSY or DONE, or dying) only drops the slot's lock: the reaper frees it, and the
+reaper never touches a slot that a batch holds, so every free is ordered after the server's
+last write to the slot and its last post (``tests/test_protocol_model.py`` checks this rule,
+and finds the cross-delivery that freeing a DONE slot on close caused).
+
+Identity (an answer names its request). A request carries ``(handle_id, req_generation,
+request_seq)``: the attachment's random 64-bit id, the claim epoch of the slot, and the
+attachment's sequence number. The server copies the three into ``(result_handle,
+result_generation, result_seq)`` with the answer, from its private copy of the request header.
+A client takes an answer only if all three match the request it waits for, whatever the
+semaphore counts say: so a stale post, a slot handed on to another client, a restarted
+sequence counter or a new server incarnation can never deliver another request's audio. The
+server refuses a request whose ``req_generation`` is not the slot's ``generation`` (the slot was
+reclaimed under it).
 
 Memory ordering (the rule every reader follows). Plain stores to shared memory carry no ordering
 on weakly ordered CPUs (aarch64: GH200, Grace): a reader may see a slot's state word change
@@ -72,9 +90,9 @@ before the payload written earlier. POSIX semaphore operations synchronise memor
   doorbell (``ready``, ``free``, a bell) only says "look"; what is then read is confirmed by
   the per-slot semaphore first. A state word read without that pairing is a hint, used only to
   choose which per-slot semaphore to try.
-- Every post carries a sequence number (``request_seq`` -> ``result_seq``) that the reader
-  checks after the pairing operation, so a stale post (of a request abandoned at its timeout)
-  is recognised and skipped, never mistaken for the answer.
+- After the pairing operation the reader checks the identity above, so a stale post (of a
+  request abandoned at its timeout, or of a slot's earlier owner) is recognised and skipped,
+  never mistaken for the answer.
 - Handing a slot between owners (claim, give back, reap) and reading the header go through the
   kernel's file-lock code: a lock taken, released or probed (F_OFD_SETLK / GETLK) passes
   through the inode's lock-list spinlock, whose release/acquire order every store made before
@@ -96,6 +114,7 @@ import os
 import re
 import secrets
 import struct
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -103,7 +122,9 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
+from .semwait import Waiter
 from .errors import (
+    BiCodecShmError,
     SegmentError,
     ServerAlreadyRunningError,
     ServerUnavailableError,
@@ -116,7 +137,11 @@ MAGIC = 0x4D48535F43444342  # b"BCDC_SHM" little-endian
 # The magic of a server group's small object under the group's name (group.py). Defined here
 # so that the takeover of a dead owner's leftovers (``_check_takeover``) knows it as ours.
 GROUP_MAGIC = 0x5052475F43444342  # b"BCDC_GRP" little-endian
-LAYOUT_VERSION = 2
+# The first 8 bytes of a name's object from its sizing until its real magic is written: a
+# server that dies in between leaves something ``_check_takeover`` still knows as ours. (An
+# object of zeros is not: it may be anybody's.)
+CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
+LAYOUT_VERSION = 3  # 3: answers carry their request's identity
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -128,6 +153,10 @@ DEFAULT_SLOTS = 64
 MAX_SLOTS = 4096
 DEFAULT_MODE = 0o600
 NO_BELL = 0xFFFFFFFF  # ``notify`` of a synchronous request: ring no bell
+# The ``free`` doorbell is posted on every give-back but taken only by claimers that wait:
+# without a bound its count would grow until sem_post fails with EOVERFLOW. A few posts are
+# enough to wake every claimer that waits (each re-scans the table after waking).
+FREE_BELL_CAP = 64
 
 # Lock bytes of the segment's inode (see the module docstring).
 OWNER_BYTE = 0
@@ -248,24 +277,35 @@ SLOT_DT = np.dtype(
     [
         ("state", "<u4"),
         ("dtype", "<u4"),  # OutputDtype
-        ("generation", "<u8"),  # bumped by the server's reaper on reclaim
-        ("req_generation", "<u8"),  # the generation the client believes it owns
-        ("owner_pid", "<u8"),  # informational only: in the owner's own PID namespace
-        ("handle_id", "<u8"),  # random per client attachment: counts distinct clients
-        ("request_seq", "<u8"),  # client-chosen, echoed into result_seq with the result
+        # The claim epoch: bumped by every claimer (under the slot's lock) and by the reaper.
+        ("generation", "<u8"),
+        # The request's identity, written by its client (contiguous: viewed as (n_slots, 3)):
+        ("handle_id", "<u8"),  # random per client attachment
+        ("req_generation", "<u8"),  # the claim epoch the client owns
+        ("request_seq", "<u8"),  # per attachment, from 1
+        # The answer's identity: the server copies the request's identity here with the result.
+        ("result_handle", "<u8"),
+        ("result_generation", "<u8"),
         ("result_seq", "<u8"),
+        ("owner_pid", "<u8"),  # informational only: in the owner's own PID namespace
         ("n_tokens", "<u4"),
         ("n_global", "<u4"),
         ("notify", "<u4"),  # bell to ring besides done.I, or NO_BELL
         ("status", "<i4"),  # Status
         ("n_samples", "<u8"),
-        ("t_submit_ns", "<u8"),  # CLOCK_MONOTONIC, shared by all processes on the host
+        ("t_submit_ns", "<u8"),  # CLOCK_MONOTONIC, client-written: clamped before any use
         ("t_start_ns", "<u8"),
         ("t_done_ns", "<u8"),
         ("error", f"S{ERROR_TEXT_BYTES}"),
     ],
     align=True,
 )
+REQUEST_ID = ("handle_id", "req_generation", "request_seq")
+RESULT_ID = ("result_handle", "result_generation", "result_seq")
+for _id in (REQUEST_ID, RESULT_ID):
+    assert [SLOT_DT.fields[f][1] for f in _id] == [SLOT_DT.fields[_id[0]][1] + 8 * i for i in range(3)], (
+        "identity fields must be contiguous"
+    )
 
 
 def drain(sem: posix_ipc.Semaphore) -> int:
@@ -400,6 +440,67 @@ def _unlink_segment(name: str) -> int:
         return 0
 
 
+def remove_dead(name: str) -> int:
+    """Unlink what a dead server (or group supervisor) left under ``name``; returns how many
+    objects were removed. Raises ``ServerAlreadyRunningError`` if a live one owns the name.
+
+    Like a takeover (``_own_name``), it holds the name's OWNER lock, on the inode the name
+    still points to, while it unlinks: a server that starts meanwhile is never robbed of its
+    fresh objects."""
+    validate_name(name)
+    try:
+        fd = _open_lock_fd(name)
+    except posix_ipc.ExistentialError:
+        return _unlink_semaphores(name)  # orphaned semaphores: no segment, so no owner
+    try:
+        if not try_lock(fd, OWNER_BYTE):
+            raise ServerAlreadyRunningError(f"a server of {name!r} is alive; stop it instead")
+        if not _same_inode(fd, name):
+            return 0  # replaced meanwhile: whatever is there now is someone else's
+        _check_takeover(name, fd)
+        return _unlink_semaphores(name) + _unlink_segment(name)
+    finally:
+        close_lock_fd(fd)
+
+
+def sweep_dead(prefix: str, directory: str = "/dev/shm") -> int:
+    """``remove_dead`` for every name starting with ``prefix`` whose owner died (private
+    servers' random names, which nobody would otherwise ever clean up)."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for entry in entries:
+        if entry.startswith(prefix) and _NAME_RE.match(entry) and probe(entry) is ServerState.DEAD:
+            try:
+                removed += remove_dead(entry)
+            except (BiCodecShmError, OSError, posix_ipc.Error):
+                pass  # taken over or alive meanwhile
+    return removed
+
+
+def is_stopping(name: str) -> bool:
+    """True if the server under ``name`` has begun to stop (it may still finish batches)."""
+    try:
+        fd = posix_ipc.SharedMemory(f"/{validate_name(name)}").fd
+    except posix_ipc.Error:
+        return False
+    try:
+        return _stopping(fd)
+    finally:
+        os.close(fd)
+
+
+def served_names(directory: str = "/dev/shm") -> list[str]:
+    """The names a live server or server group serves now (for "did you mean" messages)."""
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [e for e in entries if _NAME_RE.match(e) and probe(e) is ServerState.SERVING]
+
+
 def unlink_all(name: str) -> int:
     """Unlink the segment ``name`` and its semaphores, whoever made them; returns the count.
 
@@ -451,17 +552,46 @@ def probe(name: str) -> ServerState:
 # -- the segment ------------------------------------------------------------------------------
 
 _live_segments: weakref.WeakSet[Segment] = weakref.WeakSet()
+# Every lock descriptor of this process, from the moment it is opened. Registering it in the
+# same critical section as the open, and holding that section across fork(), leaves no window
+# in which a fork (by another thread, during an attach or a create) could copy a descriptor the
+# child then never closes: the child would keep the parent's locks for as long as it lives.
+_lock_fds: set[int] = set()
+_fork_guard = threading.Lock()
+
+
+def _open_lock_fd(name: str, flags: int = 0, mode: int = DEFAULT_MODE) -> int:
+    """Open ``/dev/shm/NAME`` for a lock descriptor of ours (posix_ipc errors propagate)."""
+    with _fork_guard:
+        fd = posix_ipc.SharedMemory(f"/{name}", flags, mode=mode, size=0).fd
+        _lock_fds.add(fd)
+    return fd
+
+
+def close_lock_fd(fd: int) -> None:
+    """Close a descriptor from ``_open_lock_fd``: every lock taken through it drops."""
+    with _fork_guard:
+        _lock_fds.discard(fd)
+        os.close(fd)
 
 
 def _close_lock_fds_in_child() -> None:
     # The child inherited every lock descriptor, and with them the parent's locks: a dead
     # parent's slots would stay owned for as long as the child lives. Close the child's copies
-    # (this is the only descriptor of each lock's open file description: see Segment).
+    # (each is the only descriptor of its lock's open file description: see Segment).
+    for fd in _lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _lock_fds.clear()
     for seg in list(_live_segments):
         seg._forget_locks_after_fork()
+    _fork_guard.release()  # taken by the thread that forked, which is this child's only thread
 
 
-os.register_at_fork(after_in_child=_close_lock_fds_in_child)
+os.register_at_fork(before=_fork_guard.acquire, after_in_parent=_fork_guard.release,
+                    after_in_child=_close_lock_fds_in_child)  # fmt: skip
 
 
 class Segment:
@@ -488,6 +618,7 @@ class Segment:
     _sems: dict[str, posix_ipc.Semaphore] | None = None
     _per_slot: dict[str, list] = {}
     _creator: bool = False
+    _waiter: Waiter = Waiter()  # replaced per instance; this one has nothing to close
 
     def __init__(self, name: str, lock_fd: int, layout: Layout) -> None:
         self.name = name
@@ -496,6 +627,7 @@ class Segment:
         self._sems = {}
         self._ready: posix_ipc.Semaphore | None = None
         self._per_slot = {kind: [None] * layout.n_slots for kind in ("req", "done", "bell")}
+        self._waiter = Waiter()
         self._map()
         _live_segments.add(self)
 
@@ -520,6 +652,12 @@ class Segment:
         # One (n_slots,) view per slot field, made once: building a field view per access
         # costs about a microsecond, and the hot path touches a dozen fields per request.
         self.field = {f: self.slots[f] for f in SLOT_DT.names}
+        # The request's and the answer's identity, each as one (n_slots, 3) u8 view.
+        self.request_id, self.result_id = (
+            np.ndarray((lay.n_slots, 3), "<u8", buf, lay.slots_off + SLOT_DT.fields[ids[0]][1],
+                       strides=(SLOT_DT.itemsize, 8))
+            for ids in (REQUEST_ID, RESULT_ID)
+        )  # fmt: skip
         self.tokens = np.ndarray((lay.n_slots, lay.max_tokens), np.int32, buf, lay.tokens_off)
         self.globals = np.ndarray((lay.n_slots, N_GLOBAL), np.int32, buf, lay.globals_off)
         self.pcm16 = np.ndarray((lay.n_slots, lay.pcm_stride // 2), np.int16, buf, lay.pcm_off)
@@ -563,7 +701,7 @@ class Segment:
             seg = cls(name, lock_fd, layout)
         except BaseException:
             _unlink_segment(name)
-            os.close(lock_fd)
+            close_lock_fd(lock_fd)
             raise
         seg._creator = True
         try:
@@ -587,17 +725,31 @@ class Segment:
             # Order matters: magic last, so that a reader never accepts a half-written header.
             h["magic"] = MAGIC
         except BaseException:
+            seg.unlink()  # our own objects only: a foreign semaphore stays where it is
             seg.close()
             raise
         return seg
 
     def _create_semaphores(self, mode: int) -> None:
-        # We own the name, so whatever semaphores exist under it are a dead server's.
+        # We own the name, so whatever semaphores of ours exist under it are a dead server's.
         stale = _unlink_semaphores(self.name)
         if stale:
             log.info("removed %d stale semaphore(s) of %r", stale, self.name)
         for sem_name in semaphore_names(self.name, self.layout.n_slots):
-            sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode, 0)
+            try:
+                sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode, 0)
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError) as e:
+                # Only someone else's object survives the unlink above: another user's (the
+                # sticky /dev/shm keeps us from removing it), or one made in between.
+                path = f"/dev/shm/sem.{sem_name[1:]}"
+                try:
+                    owner = f"uid {os.stat(path).st_uid}"
+                except OSError:
+                    owner = "another process"
+                raise SegmentError(
+                    f"cannot create the semaphore {path} of {self.name!r}: it already exists and "
+                    f"belongs to {owner} ({e}); remove it, or choose another --name"
+                ) from None
             self._sems[sem_name] = sem
             kind, index = _split(sem_name)
             if kind in self._per_slot:
@@ -639,7 +791,7 @@ class Segment:
         """
         validate_name(name)
         try:
-            shm = posix_ipc.SharedMemory(f"/{name}")  # no size: never re-truncate
+            fd = _open_lock_fd(name)  # no size: never re-truncate
         except posix_ipc.ExistentialError:
             raise ServerUnavailableError(
                 f"no bicodec-shm server is running under the name {name!r} "
@@ -650,7 +802,7 @@ class Segment:
                 f"/dev/shm/{name} exists but this user may not open it ({e}); the server "
                 "creates it with mode 0o600 (owner only) unless started with --mode 0o660"
             ) from None
-        fd = shm.fd  # this descriptor becomes the lock descriptor; nothing else dups it
+        # ``fd`` becomes the lock descriptor; nothing else dups it.
         try:
             expected = os.geteuid() if owner_uid is None else owner_uid
             owner = os.fstat(fd).st_uid
@@ -667,7 +819,7 @@ class Segment:
             layout = _read_layout(name, fd)  # ordered after the probe above
             return cls(name, fd, layout)
         except BaseException:
-            os.close(fd)
+            close_lock_fd(fd)
             raise
 
     # -- semaphores -------------------------------------------------------------------------
@@ -682,10 +834,18 @@ class Segment:
                 sem = posix_ipc.Semaphore(sem_name)
             except posix_ipc.ExistentialError:
                 raise ServerUnavailableError(f"{self.name!r} is gone (its semaphores are)") from None
+            waited = sem_name.endswith(".free") or ".done." in sem_name  # see ``wait``
+            try:
+                if waited:
+                    self._waiter.open(sem_name)
+            except OSError:
+                sem.close()
+                raise ServerUnavailableError(f"{self.name!r} is gone (its semaphores are)") from None
             # The name may already belong to a newer server's semaphore. It is ours if our
             # server still serves: servers only unlink or create them while they own the name.
             if not self.serving():
                 sem.close()
+                self._waiter.close_one(sem_name)
                 raise ServerUnavailableError(f"the server of {self.name!r} stopped")
             sems[sem_name] = sem
             if sem_name.endswith(".ready"):
@@ -715,6 +875,18 @@ class Segment:
     def bell(self, index: int) -> posix_ipc.Semaphore:
         return self._per_slot["bell"][index] or self._cached("bell", index)
 
+    def wait(self, sem: posix_ipc.Semaphore, timeout: float) -> bool:
+        """Take one post of ``sem`` (one of ours), waiting up to ``timeout`` seconds; False on
+        timeout or when a signal interrupted the wait. A signal handler's exception (Ctrl-C's
+        ``KeyboardInterrupt``, a SIGALRM timeout) propagates from here, unlike from posix_ipc's
+        own ``acquire`` (see semwait.py). For the client's blocking waits."""
+        if self._lock_fd < 0:
+            raise ServerUnavailableError(f"the attachment to {self.name!r} is closed")
+        try:
+            return self._waiter.wait(sem.name, timeout)
+        except (OSError, KeyError) as exc:
+            raise ServerUnavailableError(f"the attachment to {self.name!r} is closed ({exc})") from None
+
     def error_text(self, slot: int) -> str:
         return bytes(self.slots["error"][slot]).decode("utf-8", "replace")
 
@@ -738,7 +910,18 @@ class Segment:
         f["handle_id"][slot] = 0
         f["state"][slot] = FREE
         self.unlock_slot(slot)
-        self.free.release()
+        self.ring_free()
+
+    def ring_free(self) -> None:
+        """Post the ``free`` doorbell, unless it already holds ``FREE_BELL_CAP`` posts: the
+        slot is free whether or not anyone hears of it, so a failed or skipped post costs a
+        waiting claimer one slice at most. Never raises (a dead server's semaphore included)."""
+        try:
+            free = self.free
+            if free.value < FREE_BELL_CAP:
+                free.release()
+        except (posix_ipc.Error, OSError, BiCodecShmError):
+            pass
 
     def try_lock_bell(self, index: int) -> bool:
         return try_lock(self._lock_fd, BELL_BYTE0 + index)
@@ -777,6 +960,7 @@ class Segment:
         self._sems, self._ready = None, None
         self._per_slot = {kind: [None] * self.layout.n_slots for kind in self._per_slot}
         self.header = self.counters = self.histograms = self.slots = None  # type: ignore[assignment]
+        self.request_id = self.result_id = None  # type: ignore[assignment]
         self.tokens = self.globals = self.pcm16 = self.pcm32 = None  # type: ignore[assignment]
         self.field = {}
         if self._mmap is not None:
@@ -786,8 +970,9 @@ class Segment:
                 # Someone still holds a view into the mapping; the kernel frees it at exit.
                 log.debug("a view of %r outlived its segment; leaving it mapped", self.name)
             self._mmap = None
+        self._waiter.close()
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # drops every lock taken through it
+            close_lock_fd(self._lock_fd)  # drops every lock taken through it
             self._lock_fd = -1
 
     def unlink(self) -> None:
@@ -796,17 +981,20 @@ class Segment:
             raise SegmentError(f"only the server that created {self.name!r} may unlink it")
         # Order matters: semaphores first, while the segment's name still keeps every other
         # would-be server out; then the segment itself. The name lock goes with close().
-        _unlink_semaphores(self.name)
+        # Only the semaphores we created: a name another user holds is not ours to remove.
+        for sem in (self._sems or {}).values():
+            try:
+                sem.unlink()
+            except posix_ipc.Error:
+                pass
         _unlink_segment(self.name)
-        self.header["phase"] = Phase.STOPPED
+        if self.header is not None:
+            self.header["phase"] = Phase.STOPPED
 
     def _forget_locks_after_fork(self) -> None:
-        if self._lock_fd >= 0:
-            try:
-                os.close(self._lock_fd)
-            except OSError:
-                pass
-            self._lock_fd = -1
+        # The descriptor itself was closed with every other lock descriptor (see
+        # ``_close_lock_fds_in_child``); its number may be reused from now on.
+        self._lock_fd = -1
         self._creator = False
 
     def __enter__(self) -> Segment:
@@ -841,19 +1029,20 @@ def _own_name(name: str, mode: int, deadline: float) -> int:
     while True:
         created = True
         try:
-            shm = posix_ipc.SharedMemory(f"/{name}", posix_ipc.O_CREX, mode=mode, size=0)
+            fd = _open_lock_fd(name, posix_ipc.O_CREX, mode)
         except posix_ipc.ExistentialError:
             created = False
             try:
-                shm = posix_ipc.SharedMemory(f"/{name}")
+                fd = _open_lock_fd(name)
             except posix_ipc.ExistentialError:
                 continue  # unlinked in between: try to create it again
             except posix_ipc.PermissionsError as e:
                 raise SegmentError(f"/dev/shm/{name} exists and this user may not open it ({e})") from None
-        fd = shm.fd
         if not try_lock(fd, OWNER_BYTE):
-            serving = held_elsewhere(fd, SERVING_BYTE)
-            os.close(fd)
+            # A server that serves but has begun to stop (it finishes its running batches
+            # first) is waited for like one starting: a rolling restart's successor.
+            serving = held_elsewhere(fd, SERVING_BYTE) and not _stopping(fd)
+            close_lock_fd(fd)
             if serving:
                 raise ServerAlreadyRunningError(
                     f"a bicodec-shm server is already serving {name!r}; stop it first or "
@@ -867,37 +1056,63 @@ def _own_name(name: str, mode: int, deadline: float) -> int:
             time.sleep(0.05)
             continue
         if not _same_inode(fd, name):
-            os.close(fd)  # replaced under us: the name is someone else's now
+            close_lock_fd(fd)  # replaced under us: the name is someone else's now
             continue
         if created:
             return fd
         try:
             _check_takeover(name, fd)
         except BaseException:
-            os.close(fd)
+            close_lock_fd(fd)
             raise
         log.warning("taking over %r, left behind by a server that died", name)
         _unlink_semaphores(name)
         _unlink_segment(name)
-        os.close(fd)
+        close_lock_fd(fd)
+
+
+_PHASE_OFF = HEADER_DT.fields["phase"][1]
+
+
+def _stopping(fd: int) -> bool:
+    """True if the segment open as ``fd`` says its server has begun to stop (a hint, read
+    without pairing: it only decides whether a would-be successor waits or gives up)."""
+    try:
+        head = os.pread(fd, _PHASE_OFF + 4, 0)
+    except OSError:
+        return False
+    if len(head) < _PHASE_OFF + 4 or struct.unpack_from("<Q", head)[0] != MAGIC:
+        return False
+    return struct.unpack_from("<I", head, _PHASE_OFF)[0] >= Phase.STOPPING
 
 
 def _check_takeover(name: str, fd: int) -> None:
     """Refuse to remove something under ``name`` that is not a bicodec-shm segment."""
     size = os.fstat(fd).st_size
     if size == 0:
-        return  # its creator died before reserving it
+        return  # its creator died before sizing it
     if size >= 8:
         magic = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
-        if magic in (0, MAGIC, GROUP_MAGIC):
+        if magic in (CREATING_MAGIC, MAGIC, GROUP_MAGIC):
             return
-    raise SegmentError(f"/dev/shm/{name} exists and is not a bicodec-shm segment; refusing to remove it")
+    raise SegmentError(
+        f"/dev/shm/{name} exists and is not a bicodec-shm segment (its first bytes are not one "
+        f"of our magics); refusing to remove it: remove it yourself if it is stale, or choose "
+        f"another --name"
+    )
+
+
+def size_new_object(fd: int, size: int) -> None:
+    """Size a freshly created object and mark it as ours at once (``CREATING_MAGIC``), so that
+    the leftovers of a creator that dies from here on can be taken over."""
+    os.ftruncate(fd, size)
+    os.pwrite(fd, struct.pack("<Q", CREATING_MAGIC), 0)
 
 
 def _reserve(fd: int, size: int, name: str) -> None:
     """Size the new segment and reserve its pages now, so that a full /dev/shm is an error at
     start rather than a SIGBUS in whichever process first touches a missing page later."""
-    os.ftruncate(fd, size)
+    size_new_object(fd, size)
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:

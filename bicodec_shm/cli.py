@@ -34,7 +34,7 @@ from .transport import (
     probe,
     read_header,
     stats_from_header,
-    unlink_all,
+    remove_dead,
     validate_name,
 )
 
@@ -522,7 +522,7 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     state = probe(args.name)
     if state in (ServerState.SERVING, ServerState.BUSY):
         raise BiCodecShmError(f"a server of {args.name!r} is alive ({state.value}); stop it instead")
-    removed = unlink_all(args.name)
+    removed = remove_dead(args.name)  # under the name's OWNER lock, like a takeover
     left = leftover_objects(args.name)
     print(f"removed {removed} object(s) of {args.name!r}" + (f"; still there: {left}" if left else ""))
     return 0 if not left else 1

@@ -32,12 +32,16 @@ import numpy as np
 
 from .attachment import SLICE, Attachment, Gone
 from .errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
-from .group import GroupRouter
-from .transport import N_GLOBAL, NO_BELL, stats_from_header, validate_name
+from .group import GroupRouter, read_group
+from .transport import N_GLOBAL, NO_BELL, ServerState, probe, served_names, stats_from_header, validate_name
 from .validation import as_token_array, output_dtype_code
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_CLIENT_SLOTS = 8
+# After a server stopped on purpose, how long requests wait for a successor to take the name
+# before they fail with ServerUnavailableError (a crashed server is waited for until the
+# request's own deadline: a supervisor restarts it).
+STOP_GRACE = 2.0
 
 _live_clients: weakref.WeakSet[DecoderClient] = weakref.WeakSet()
 
@@ -97,8 +101,12 @@ class DecoderClient:
         self._pid = os.getpid()
         self._requests = 0
         self._last_error: Exception | None = None
+        self._stopped_at: float | None = None  # when a server that stopped on purpose went away
         self._closed = False
-        self._att = self._connect(time.monotonic() + connect_timeout)
+        self._t_asked = time.monotonic()
+        att = self._connect(self._t_asked + connect_timeout)
+        if self._group is None:
+            self._att = att
         _live_clients.add(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -119,14 +127,24 @@ class DecoderClient:
         deadline = self._deadline(timeout)
         while True:
             att = self._attachment(deadline)
+            semantic, globals_ = _fit(att, semantic, globals_)
             try:
-                slot = att.take_slot(deadline)
-                seq = next(att.seq)
+                slot, seq = att.take_slot(deadline)
+            except Gone:
+                self._drop(att)
+                continue
+            try:
                 att.submit(slot, seq, semantic, globals_, code, NO_BELL)
                 self._requests += 1
                 return att.wait_result(slot, seq, deadline)
             except Gone:
                 self._drop(att)
+            except BaseException:
+                # Ctrl-C, a signal handler's exception (a SIGALRM timeout), a timeout, an
+                # error answer: the slot goes back, or is let go of if the server may still
+                # have the request (see attachment.py). Never kept out of use.
+                att.done_with(slot, seq)
+                raise
 
     async def decode_async(self, semantic_ids: Any, global_ids: Any, *, dtype: str = "int16",
                            timeout: float | None = None) -> np.ndarray:  # fmt: skip
@@ -139,31 +157,36 @@ class DecoderClient:
             if att is None:  # the server is being replaced: wait without blocking the loop
                 await asyncio.sleep(SLICE)
                 continue
+            semantic, globals_ = _fit(att, semantic, globals_)
             try:
-                slot = await att.take_slot_async(deadline)
-                seq = next(att.seq)
-                future = loop.create_future()
+                slot, seq = await att.take_slot_async(deadline)
+            except Gone:
+                self._drop(att)
+                continue
+            future = loop.create_future()
+            try:
                 bell = att.register(slot, seq, loop, future)
-                try:
-                    att.submit(slot, seq, semantic, globals_, code, bell)
-                except BaseException:
-                    future.cancel()  # nobody will await it: no "exception never retrieved"
-                    raise
+                att.submit(slot, seq, semantic, globals_, code, bell)
                 self._requests += 1
+                left = deadline - time.monotonic()
                 try:
-                    left = deadline - time.monotonic()
                     return await asyncio.wait_for(
                         asyncio.shield(future), None if left == float("inf") else max(0.0, left)
                     )
-                except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-                    att.forget_pending(slot, seq)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
+                except asyncio.TimeoutError:
                     if not att.serving():
                         raise Gone() from None
+                    att.forget_pending(slot, seq)
                     raise att.timeout_error() from None
             except Gone:
+                _discard(future)
+                att.forget_pending(slot, seq)
                 self._drop(att)
+            except BaseException:  # cancelled, or an error answer: see ``decode``
+                _discard(future)
+                att.forget_pending(slot, seq)
+                att.done_with(slot, seq)
+                raise
 
     def get_stats(self) -> dict:
         """The server's live counters plus this handle's own, as a dict."""
@@ -185,10 +208,12 @@ class DecoderClient:
 
         Safe to call twice, from any thread, and after a failed ``__init__``.
         """
-        self._closed = True
-        att, self._att = self._att, None
-        if self._group is not None and self._pid == os.getpid():
-            self._group.close(self._closed_error())
+        with self._lock:  # no attachment made by a call in flight can slip in after this
+            self._closed = True
+            att, self._att = self._att, None
+            group = self._group
+        if group is not None and self._pid == os.getpid():
+            group.close(self._closed_error())
         if att is not None and self._pid == os.getpid():
             att.close(self._closed_error())
 
@@ -217,9 +242,11 @@ class DecoderClient:
     # -- request plumbing ---------------------------------------------------------------------
 
     def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> tuple:
+        """Validate against the limits of the server last attached (``_fit`` checks again
+        against the attachment a request actually uses: a server may have been replaced by
+        one with other limits, or a group's members may differ)."""
         if self._closed:
             raise self._closed_error()
-        # Limits of the current server (or of the last one, while it is being replaced).
         vocab, global_vocab, max_tokens = self._limits
         semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=vocab, max_len=max_tokens)
         globals_ = as_token_array(global_ids, what="global_ids", vocab=global_vocab,
@@ -233,62 +260,106 @@ class DecoderClient:
     # -- attachment lifecycle -----------------------------------------------------------------
 
     def _connect(self, deadline: float, *, block: bool = True) -> Attachment | None:
-        """Attach, retrying every slice until ``deadline`` while no server serves the name."""
+        """Attach to whatever serves the name now (a server, or a group's member), retrying
+        every slice until ``deadline`` while nothing does."""
         while True:
             try:
-                if self._group is None:
-                    self._group = GroupRouter.find(self.name, max_slots=self.max_slots,
-                                                   owner_uid=self.owner_uid)  # fmt: skip
-                if self._group is not None:
-                    att = self._group.connect()
-                else:
-                    att = Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)
+                att = self._connect_once()
                 self._limits = (att.semantic_vocab, att.global_vocab, att.max_tokens)
                 return att
             except ServerUnavailableError as exc:
                 self._last_error = exc
             if time.monotonic() >= deadline:
+                waited = "" if deadline <= self._t_asked else " before the deadline"
                 raise ServerUnavailableError(
-                    f"no decoder server serves {self.name!r} and none started before the "
-                    f"deadline ({self._last_error})"
+                    f"no decoder server serves {self.name!r}{waited} ({self._last_error})"
+                    f"{_served_hint(self.name)}"
                 ) from None
             if not block:
                 return None
             time.sleep(min(SLICE, max(0.0, deadline - time.monotonic())))
 
+    def _connect_once(self) -> Attachment:
+        if self._group is None:
+            info = read_group(self.name)
+            if info is not None and not info.alive:  # a group starting, stopping or dead
+                raise ServerUnavailableError(f"the server group {self.name!r} is not up")
+            if info is not None:
+                self._group = GroupRouter(info, max_slots=self.max_slots, owner_uid=self.owner_uid)
+        if self._group is not None:
+            return self._group.connect()
+        return Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)
+
     def _attachment(self, deadline: float, *, block: bool = True) -> Attachment | None:
         """The live attachment, attaching again if the last one was dropped. With ``block``
-        False, None means "no server yet; ask again after a slice" (asyncio must not sleep)."""
+        False, None means "no server yet; ask again after a slice" (asyncio must not sleep).
+
+        Raises ``ServerUnavailableError`` at ``deadline``, or sooner when the server stopped on
+        purpose (SIGTERM, Ctrl-C) and no new one has claimed the name within ``STOP_GRACE``
+        seconds: a rolling restart's successor claims it well within that, and is waited for
+        as long as it is starting."""
         if os.getpid() != self._pid:
             self._forked()
-        if self._group is not None:  # a server group: the router picks a member per request
-            if self._closed:
-                raise self._closed_error()
-            return self._group.attachment(deadline, block=block)
         while True:
             if self._closed:
                 raise self._closed_error()
-            att = self._att
-            if att is not None and att.retired is None:
-                return att
+            group = self._group
+            if group is not None:
+                # A group: the router picks a member per request. If no member serves, or the
+                # group under the name changed, find out again what serves the name.
+                att = None if group.outdated() else group.pick()
+                if att is not None:
+                    return att
+                self._regroup(group)
+            else:
+                att = self._att
+                if att is not None and att.retired is None:
+                    return att
             with self._lock:
-                if self._closed or (self._att is not None and self._att.retired is None):
+                if self._closed:
                     continue
+                if self._att is not None and self._att.retired is None:
+                    return self._att
                 try:
                     new = self._connect(0.0, block=False)
                 except ServerUnavailableError:
-                    if time.monotonic() >= deadline:
-                        raise ServerUnavailableError(
-                            f"the decoder server {self.name!r} is gone and no new one started "
-                            f"before the request's deadline ({self._last_error})"
-                        ) from None
                     new = None
                 if new is not None:
-                    self._att = new
+                    if self._group is None:
+                        self._att = new
+                    self._stopped_at = None
                     return new
+            self._give_up_if_stopped(deadline)
             if not block:
                 return None
             time.sleep(min(SLICE, max(0.0, deadline - time.monotonic())))
+
+    def _give_up_if_stopped(self, deadline: float) -> None:
+        now = time.monotonic()
+        stopped = self._stopped_at
+        if now >= deadline:
+            raise ServerUnavailableError(
+                f"the decoder server {self.name!r} is gone and no new one started before the "
+                f"request's deadline ({self._last_error}){_served_hint(self.name)}"
+            )
+        if stopped is not None and now >= stopped + STOP_GRACE:
+            if probe(self.name) is ServerState.BUSY:
+                self._stopped_at = now  # a successor is starting (it owns the name): wait on
+                return
+            raise ServerUnavailableError(
+                f"the decoder server {self.name!r} stopped (SIGTERM or Ctrl-C) and no new server "
+                f"took the name within {STOP_GRACE:g} s{_served_hint(self.name)}"
+            )
+
+    def _regroup(self, group: GroupRouter) -> None:
+        """Forget a group router whose group no longer serves the name as it did (a member
+        set or epoch change, a single server in its place): its calls in flight resubmit."""
+        with self._lock:
+            if self._group is not group:
+                return
+            self._group = None
+            self._att = None
+        group.close(Gone())
 
     def _drop(self, att: Attachment) -> None:
         """Forget an attachment whose server went away; the next call attaches afresh."""
@@ -296,6 +367,8 @@ class DecoderClient:
         with self._lock:
             if self._att is att:
                 self._att = None
+                if att.stopped_cleanly and self._stopped_at is None:
+                    self._stopped_at = time.monotonic()
         if self._closed:
             raise self._closed_error()
 
@@ -310,3 +383,31 @@ class DecoderClient:
             att.forget_after_fork()
         if self._group is not None:
             self._group.forget_after_fork()
+
+
+def _fit(att: Attachment, semantic: np.ndarray, globals_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Check a validated request against the limits of the server that will decode it, before
+    anything is written (a restarted server may have a smaller --max-tokens)."""
+    if (
+        semantic.shape[0] > att.max_tokens
+        or int(semantic.max()) >= att.semantic_vocab
+        or int(globals_.max()) >= att.global_vocab
+    ):
+        semantic = as_token_array(semantic, what="semantic_ids", vocab=att.semantic_vocab,
+                                  max_len=att.max_tokens)  # fmt: skip
+        globals_ = as_token_array(globals_, what="global_ids", vocab=att.global_vocab,
+                                  max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
+    return semantic, globals_
+
+
+def _discard(future: asyncio.Future) -> None:
+    """A future nobody will await: cancel it, or mark its exception as retrieved, so that
+    asyncio never logs "Future exception was never retrieved" for it."""
+    if not future.cancel() and not future.cancelled():
+        future.exception()
+
+
+def _served_hint(name: str) -> str:
+    """"; names served now: a, b" for an error about a name nobody serves (a typo, say)."""
+    names = [n for n in served_names() if n != name]
+    return f"; names served now: {', '.join(names[:10])}" if names else ""

@@ -21,7 +21,9 @@ from typing import Any
 
 from .client import DecoderClient
 from .errors import BiCodecShmError
-from .transport import random_name
+from .transport import random_name, sweep_dead
+
+PRIVATE_PREFIX = "bcshm-dropin"  # private servers' names: PRIVATE_PREFIX-<random hex>
 
 
 class BiCodecBatchDecoder:
@@ -49,7 +51,7 @@ class BiCodecBatchDecoder:
         self.timeout_ms = timeout_ms
         self.request_timeout = request_timeout
         self.slots = slots
-        self.name = bicodec_decoder if isinstance(bicodec_decoder, str) else random_name("bcshm-dropin")
+        self.name = bicodec_decoder if isinstance(bicodec_decoder, str) else random_name(PRIVATE_PREFIX)
         self._server: Any = None
         self._finalizer: weakref.finalize | None = None
         self._client: DecoderClient | None = None
@@ -61,6 +63,10 @@ class BiCodecBatchDecoder:
         if not isinstance(self.decoder, str):
             from .server import DecoderServer  # imports torch: only on this path
 
+            # A process killed by a signal (SIGKILL, or SIGTERM's default action) runs no
+            # finalizer: its private server's objects stay under a random name nobody knows.
+            # Each new private server removes those of dead ones (their locks are gone).
+            sweep_dead(PRIVATE_PREFIX + "-")
             decoder = self.decoder
             if isinstance(decoder, os.PathLike):
                 from .model import BiCodecDecoder
@@ -76,7 +82,7 @@ class BiCodecBatchDecoder:
             self._server.start_thread()
             # A process that exits without stop() must not leave the segment in /dev/shm: the
             # finalizer runs at interpreter exit too. It holds the server, never ``self``.
-            self._finalizer = weakref.finalize(self, DecoderServer.close, self._server)
+            self._finalizer = weakref.finalize(self, _close_private_server, self._server, os.getpid())
         self._client = DecoderClient(self.name, timeout=self.request_timeout, slots=self.slots)
 
     def stop(self) -> None:
@@ -113,3 +119,10 @@ class BiCodecBatchDecoder:
 
     def __repr__(self) -> str:
         return f"<BiCodecBatchDecoder name={self.name!r} started={self._client is not None}>"
+
+
+def _close_private_server(server: Any, pid: int) -> None:
+    """Stop a private server, in the process that started it only: a forked child inherits
+    the finalizer, but neither the server's thread nor its name is the child's."""
+    if os.getpid() == pid:
+        server.close()

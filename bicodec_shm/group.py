@@ -52,8 +52,10 @@ from .transport import (
     _own_name,
     _same_inode,
     _unlink_segment,
+    close_lock_fd,
     probe,
     read_record,
+    size_new_object,
     stats_from_header,
     try_lock,
     unlock,
@@ -141,7 +143,7 @@ class GroupObject:
         except ServerAlreadyRunningError as exc:
             raise ServerAlreadyRunningError(_taken_message(name, exc)) from None
         try:
-            os.ftruncate(fd, GROUP_SIZE)
+            size_new_object(fd, GROUP_SIZE)
             os.fchmod(fd, mode)  # the umask narrowed the mode given at creation
             h = np.zeros((), GROUP_DT)
             h["version"] = GROUP_VERSION
@@ -155,7 +157,7 @@ class GroupObject:
             os.pwrite(fd, struct.pack("<Q", GROUP_MAGIC), 0)
         except BaseException:
             _unlink_segment(name)
-            os.close(fd)
+            close_lock_fd(fd)
             raise
         return cls(name, fd, devices)
 
@@ -180,7 +182,7 @@ class GroupObject:
     def close(self) -> None:
         """Release the name (closing the lock descriptor drops both locks)."""
         if self._fd >= 0:
-            os.close(self._fd)
+            close_lock_fd(self._fd)
             self._fd = -1
 
     def __enter__(self) -> GroupObject:
@@ -285,7 +287,8 @@ def totals(members) -> dict:
     """The keys of ``stats_from_header`` that make sense for a whole group, over ``members``
     (an iterable of member stats; those without counters are down and left out): counters and
     the batch-size histogram summed, averages weighted, slots summed, max_tokens the least."""
-    up = [m for m in members if "requests" in m]
+    # Up means served now: a dead member's leftover segment still has counters, but is down.
+    up = [m for m in members if "requests" in m and m.get("server_alive")]
     out: dict = {key: sum(m[key] for m in up) for key in _SUMMED}
     hist: dict[int, int] = {}
     for m in up:
@@ -333,7 +336,9 @@ class GroupRouter:
 
     def __init__(self, info: GroupInfo, *, max_slots: int, owner_uid: int | None) -> None:
         self.name = info.name
+        self.epoch = info.epoch
         self.members = info.members
+        self._checked_at = time.monotonic()
         self.max_slots = max_slots
         self.owner_uid = owner_uid
         self._lock = threading.Lock()
@@ -349,6 +354,20 @@ class GroupRouter:
         if info is None or not info.alive:
             return None
         return cls(info, max_slots=max_slots, owner_uid=owner_uid)
+
+    def outdated(self) -> bool:
+        """True if the name no longer holds this live group (another epoch: a restarted
+        supervisor, perhaps with other members; a single server; nothing). Looked up at most
+        once a slice: the router's own member checks cover the time in between."""
+        now = time.monotonic()
+        if now - self._checked_at < SLICE:
+            return False
+        self._checked_at = now
+        try:
+            info = read_group(self.name)
+        except SegmentError:
+            return True
+        return info is None or not info.alive or info.epoch != self.epoch
 
     def pick(self) -> Attachment | None:
         """The attachment of the least loaded live member, or None if no member serves."""
@@ -378,22 +397,6 @@ class GroupRouter:
                 f"({', '.join(self.members)}) serves right now ({self.last_error})"
             )
         return att
-
-    def attachment(self, deadline: float, *, block: bool = True) -> Attachment | None:
-        """``pick``, waiting in slices until ``deadline`` while no member serves. With ``block``
-        False, None means "none yet; ask again after a slice" (asyncio must not sleep)."""
-        while True:
-            att = self.pick()
-            if att is not None:
-                return att
-            if time.monotonic() >= deadline:
-                raise ServerUnavailableError(
-                    f"no member of the server group {self.name!r} ({', '.join(self.members)}) "
-                    f"serves, and none came back before the request's deadline ({self.last_error})"
-                )
-            if not block:
-                return None
-            time.sleep(min(SLICE, max(0.0, deadline - time.monotonic())))
 
     def _live(self, i: int, now: float) -> Attachment | None:
         att = self._atts[i]
@@ -459,4 +462,4 @@ def _outstanding(att: Attachment) -> int | None:
             queued = int(np.count_nonzero(others))
     except (Gone, BiCodecShmError):
         return None
-    return queued + att.in_use + att.claiming
+    return queued + len(att.using) + att.claiming

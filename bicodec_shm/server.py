@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import signal
 import threading
 import time
@@ -47,7 +48,7 @@ from .batching import (
     DEFAULT_REJOIN_MS,
     plan_batch,
 )
-from .errors import ServerUnavailableError
+from .errors import BiCodecShmError, ServerUnavailableError
 from .lanes import STOP, Decoded, Lane, Runner
 from .processes import on_stop_signals
 from .slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
@@ -63,10 +64,12 @@ from .transport import (
     DONE,
     FREE,
     HIST_BINS,
+    NO_BELL,
     N_STATUS,
     N_TIME_BINS,
     READY,
     TIME_BUCKETS,
+    Phase,
     Segment,
     Status,
     drain,
@@ -123,6 +126,7 @@ class DecoderServer:
     # Class-level defaults keep close() safe after a failed __init__.
     _segment: Segment | None = None
     _thread: threading.Thread | None = None
+    _pid = 0  # the creating process (set in __init__)
     metrics: Any = None  # a metrics.MetricsExporter while one runs
 
     def __init__(
@@ -179,13 +183,18 @@ class DecoderServer:
         config = getattr(decoder, "config", None)
         self.semantic_vocab = int(getattr(config, "semantic_vocab", 8192))
         self.global_vocab = int(getattr(config, "global_vocab", 4096))
+        self._pid = os.getpid()
         self._stop = threading.Event()
+        self._forced = threading.Event()  # a second stop signal: do not wait for the lanes
+        self._serving = threading.Event()  # serve_forever has begun (in whichever thread)
         self._stopped = threading.Event()
         self._teardown_lock = threading.Lock()
         self._held: set[int] = set()  # slots in planned or running batches
         self._held_lock = threading.Lock()
         self._counters_lock = threading.Lock()
-        self._confirmed: set[int] = set()  # READY slots whose req.I was taken, not yet batched
+        # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
+        # order goes by this, not by a time the client wrote.
+        self._confirmed: dict[int, int] = {}
         self._answered: set[int] = set()  # slots answered since the last batch was planned
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
@@ -229,7 +238,11 @@ class DecoderServer:
     # -- lifecycle ------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        """Serve until ``stop()``, SIGINT or SIGTERM; then finish running batches and unlink."""
+        """Serve until ``stop()``, SIGINT or SIGTERM; then finish running batches and unlink.
+
+        A second SIGINT or SIGTERM while the running batches finish forces the stop: the
+        server stops serving and unlinks at once (clients resubmit what it had not answered)."""
+        self._serving.set()
         restore = on_stop_signals(self._on_stop_signal)
         lanes = [
             Lane(i, Runner(self.decoder, self.device), take=self._take, publish=self._publish,
@@ -245,10 +258,15 @@ class DecoderServer:
         finally:
             self.stop()
             for thread in threads:
-                thread.join()  # each finishes the batch it holds
-            restore()
-            self._teardown()
-            self._stopped.set()
+                while thread.is_alive() and not self._forced.is_set():
+                    thread.join(0.1)  # each finishes the batch it holds, unless forced
+            # Our handlers stay until the segment is unlinked: a second signal during the
+            # teardown must not kill the process half-way and leave the objects behind.
+            try:
+                self._teardown()
+            finally:
+                restore()
+                self._stopped.set()
 
     def start_thread(self) -> threading.Thread:
         """Run ``serve_forever`` in a daemon thread (for in-process use and tests)."""
@@ -265,8 +283,12 @@ class DecoderServer:
         seg = self._segment
         if seg is not None:
             try:
+                # A hint for a successor started now (a rolling restart): wait for us rather
+                # than give up because we still serve the batches we hold.
+                if seg.header is not None:
+                    seg.header["phase"] = Phase.STOPPING
                 seg.ready.release()  # wake the dispatcher now rather than at the next tick
-            except (posix_ipc.Error, ServerUnavailableError):
+            except (posix_ipc.Error, BiCodecShmError, TypeError):
                 pass
 
     def close(self, timeout: float = 30.0) -> None:
@@ -278,6 +300,13 @@ class DecoderServer:
             if thread.is_alive():
                 log.error("the serving thread of %r did not stop within %.0f s", self.name, timeout)
                 return  # unmapping under a running thread would crash it
+        elif self._serving.is_set() and not self._stopped.is_set():
+            # ``serve_forever`` runs in a thread we did not start (a user's): it tears down
+            # itself once stopped; unmapping under its lanes would crash them.
+            self.stop()
+            if not self._stopped.wait(timeout):
+                log.error("serve_forever of %r did not stop within %.0f s", self.name, timeout)
+            return
         self._teardown()
 
     def __enter__(self) -> DecoderServer:
@@ -291,6 +320,8 @@ class DecoderServer:
                 f"max_batch={self.max_batch}>")  # fmt: skip
 
     def _teardown(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the name, its locks and its thread are the parent's
         with self._teardown_lock:
             seg, self._segment = self._segment, None
             if seg is None:
@@ -332,12 +363,14 @@ class DecoderServer:
             if self.max_wait_ms > 0 and len(ready) < self.max_batch:
                 ready = self._let_batch_grow(seg, ready)
             self._answered.clear()
-            chosen = plan_batch(ready.lengths, ready.submitted_ns, max_batch=self.max_batch,
+            chosen = plan_batch(ready.lengths, ready.seen_ns, max_batch=self.max_batch,
                                 max_batch_tokens=self.max_batch_tokens, min_fill=self.min_fill)  # fmt: skip
             req = ready.take(chosen)
-            self._confirmed.difference_update(req.slots.tolist())
+            chosen_slots = req.slots.tolist()
+            for slot in chosen_slots:
+                self._confirmed.pop(slot, None)
             with self._held_lock:
-                self._held.update(req.slots.tolist())
+                self._held.update(chosen_slots)
             batch, failures = gather(seg, req, semantic_vocab=self.semantic_vocab,
                                      global_vocab=self.global_vocab)  # fmt: skip
             for slot, status, message in failures:
@@ -350,17 +383,21 @@ class DecoderServer:
         """Every READY slot whose request may be read (its req.I taken), validated."""
         drain(seg.ready)  # wake-ups only: everything READY is looked at below
         confirmed, held = self._confirmed, self._held  # (membership tests only: GIL-atomic)
+        now = None
         for slot in (seg.field["state"] == READY).nonzero()[0].tolist():  # a hint: req.I decides
             if slot not in confirmed and slot not in held and _take_post(seg.req(slot)):
-                confirmed.add(slot)
+                confirmed[slot] = now = now or time.monotonic_ns()
         if not confirmed:
             return None
-        slots = np.fromiter(sorted(confirmed), np.int64, len(confirmed))
-        requests, failures = check_headers(seg, slots, n_bells=self.n_bells)
+        order = sorted(confirmed)
+        slots = np.fromiter(order, np.int64, len(order))
+        seen = np.fromiter((confirmed[s] for s in order), np.int64, len(order))
+        requests, failures = check_headers(seg, slots, seen, n_bells=self.n_bells)
         for slot, status, message in failures:
             self._answer_failure(slot, status, message)
         if len(requests) != len(slots):
-            self._confirmed = set(requests.slots.tolist())
+            kept = set(requests.slots.tolist())
+            self._confirmed = {s: t for s, t in confirmed.items() if s in kept}
         return requests if len(requests) else None
 
     def _let_answered_clients_rejoin(self, seg: Segment, ready: Requests) -> Requests:
@@ -406,17 +443,44 @@ class DecoderServer:
     # -- answering --------------------------------------------------------------------------
 
     def _publish(self, batch: Batch, decoded: Decoded, elapsed_ns: int) -> None:
+        """Answer every row of a decoded batch: audio, counters, then the posts.
+
+        Every row is answered and rung whatever fails here (a failed write answers each row
+        with an error instead): a batchmate's bad field, or a bug of ours, must not leave the
+        others waiting for answers that never come."""
         seg = self.segment
         req = batch.requests
-        done_ns = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
+        try:
+            done_ns = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
+        except Exception as exc:
+            log.exception("publishing a batch of %d failed; answering each row with an error", len(req))
+            for row in range(len(req)):
+                self._answer_failure(int(req.slots[row]), Status.DECODE_FAILED,
+                                     f"the server failed to publish the result: {exc}", req.take([row]))  # fmt: skip
+            return
+        try:
+            self._count_batch(batch, done_ns, elapsed_ns)
+        except Exception:
+            log.exception("counting a batch of %d failed (its answers are unaffected)", len(req))
+        finally:
+            answered = req.slots.tolist()
+            self._answered.update(answered)
+            self._release_and_ring(answered, req.notify.tolist())
+
+    def _count_batch(self, batch: Batch, done_ns: int, elapsed_ns: int) -> None:
+        """Add one published batch to the live counters and histograms. Every time here is a
+        server-side int64: submit times were clamped to when the server saw them (slot_io)."""
+        seg = self.segment
+        req = batch.requests
         rows, longest = len(req), int(batch.semantic.shape[1])
+        elapsed_ns = max(0, int(elapsed_ns))
         if rows == 1:  # Python scalars: the common case at low load
             submitted = int(req.submitted_ns[0])
             queued, latency = max(0, batch.started_ns - submitted), max(0, done_ns - submitted)
             tokens, queued_sum, latency_sum = int(req.lengths[0]), queued, latency
             bins = [bisect.bisect_left(_BUCKETS, queued), N_TIME_BINS + bisect.bisect_left(_BUCKETS, latency)]
         else:
-            submitted_ns = req.submitted_ns.astype(np.int64)
+            submitted_ns = req.submitted_ns
             queued_ns = (batch.started_ns - submitted_ns).clip(0)
             latency_ns = (done_ns - submitted_ns).clip(0)
             tokens = int(req.lengths.sum())
@@ -436,9 +500,18 @@ class DecoderServer:
             else:
                 h += np.bincount(bins, minlength=3 * N_TIME_BINS).astype(np.uint64)
             seg.header["batch_hist"][min(rows, HIST_BINS - 1)] += 1
-        answered = req.slots.tolist()
-        self._answered.update(answered)
-        ring(seg, answered, req.notify.tolist())
+
+    def _release_and_ring(self, slots: list[int], bells: list[int]) -> None:
+        """The last step of answering: the slots leave the held set, then their posts go out.
+
+        Both under the held lock, which the reaper holds while it reclaims: so the reaper
+        never frees a slot between its DONE and its post (a free must follow the server's last
+        write and post), and a client answered here can make its slot READY again only after
+        the slot left the held set, so the dispatcher never skips its next request (a lost
+        wake-up: it would wait for the next tick of the reaper)."""
+        with self._held_lock:
+            self._held.difference_update(slots)
+            ring(self.segment, slots, bells)
 
     def _fail_row(self, batch: Batch, row: int, message: str) -> None:
         req = batch.requests
@@ -447,20 +520,23 @@ class DecoderServer:
     def _answer_failure(self, slot: int, status: int, message: str, req: Requests | None = None) -> None:
         """Answer one request with an error; ``req`` (if given) holds its validated header."""
         seg = self.segment
-        seq = notify = None
+        ids = notify = None
         if req is not None:
             at = np.flatnonzero(req.slots == slot)
             if len(at):
-                seq, notify = int(req.seqs[at[0]]), int(req.notify[at[0]])
-        with self._held_lock:
-            self._held.discard(slot)
-        self._confirmed.discard(slot)
-        bell = publish_failure(seg, slot, status, message, seq=seq, notify=notify)
-        with self._counters_lock:
-            seg.counters[C_REQUESTS] += 1
-            seg.counters[C_FAILED] += 1
-            seg.header["failed_by_status"][min(int(status), N_STATUS - 1)] += 1
-        ring(seg, [slot], [bell])
+                ids, notify = req.ids[at[0]], int(req.notify[at[0]])
+        self._confirmed.pop(slot, None)
+        # The answer first, then out of the held set and rung (``_release_and_ring``): the
+        # reaper must not free the slot before the error is written and posted.
+        bell = NO_BELL
+        try:
+            bell = publish_failure(seg, slot, status, message, ids=ids, notify=notify)
+            with self._counters_lock:
+                seg.counters[C_REQUESTS] += 1
+                seg.counters[C_FAILED] += 1
+                seg.header["failed_by_status"][min(int(status), N_STATUS - 1)] += 1
+        finally:
+            self._release_and_ring([slot], [bell])
 
     def _lane_started(self, batch: Batch, lane: int) -> None:
         now = time.monotonic_ns()
@@ -474,7 +550,7 @@ class DecoderServer:
 
     def _lane_finished(self, batch: Batch, lane: int) -> None:
         self._lane_idle_since[lane] = time.monotonic_ns()
-        with self._held_lock:
+        with self._held_lock:  # normally done already, when each row was answered
             self._held.difference_update(batch.slots.tolist())
         with self._counters_lock:
             self.segment.header["busy_lanes"] -= 1
@@ -504,20 +580,24 @@ class DecoderServer:
                 self._answer_failure(slot, Status.BAD_STATE,
                                      f"slot {slot} has unknown state value {int(f['state'][slot])}")
         reclaimed = 0
-        for slot in np.flatnonzero(f["state"] != FREE).tolist():
-            if slot in held or not seg.try_lock_slot(slot):
-                continue  # in a batch, or its owner is alive
-            if f["state"][slot] == FREE:
-                seg.unlock_slot(slot)  # given back between the scan and the lock
-                continue
-            f["generation"][slot] += 1  # a late result can never match the next owner
-            self._confirmed.discard(slot)
-            try:
-                drain(seg.req(slot))  # the dead owner's posts must not reach the next one
-                drain(seg.done(slot))
-            finally:
-                seg.free_slot(slot)
-            reclaimed += 1
+        # Under the held lock throughout: a lane answers a held slot (DONE, post) and lets go
+        # of it in one step under this lock (``_release_and_ring``), so every slot freed here
+        # has had its last write and post from the server.
+        with self._held_lock:
+            for slot in np.flatnonzero(f["state"] != FREE).tolist():
+                if slot in self._held or not seg.try_lock_slot(slot):
+                    continue  # in a batch, or its owner is alive
+                if f["state"][slot] == FREE:
+                    seg.unlock_slot(slot)  # given back between the scan and the lock
+                    continue
+                f["generation"][slot] += 1  # a late result can never match the next owner
+                self._confirmed.pop(slot, None)
+                try:
+                    drain(seg.req(slot))  # the last owner's posts must not reach the next one
+                    drain(seg.done(slot))
+                finally:
+                    seg.free_slot(slot)
+                reclaimed += 1
         if reclaimed:
             with self._counters_lock:
                 seg.counters[C_RECLAIMED] += reclaimed
@@ -525,8 +605,13 @@ class DecoderServer:
         return reclaimed
 
     def _on_stop_signal(self, signum: int) -> None:
-        log.info("received %s: finishing the running batches, then stopping",
-                 signal.Signals(signum).name)  # fmt: skip
+        if self._stop.is_set():
+            log.warning("received %s again: stopping now, without waiting for the running "
+                        "batches (their clients resubmit)", signal.Signals(signum).name)  # fmt: skip
+            self._forced.set()
+            return
+        log.info("received %s: finishing the running batches, then stopping (send it again to "
+                 "stop at once)", signal.Signals(signum).name)  # fmt: skip
         self.stop()
 
 

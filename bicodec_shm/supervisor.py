@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import MAX_MEMBERS, GroupObject, member_names, validate_group_name
 from .processes import on_stop_signals
-from .transport import DEFAULT_MODE, ServerState, probe, unlink_all
+from .transport import DEFAULT_MODE, ServerState, is_stopping, probe, unlink_all
 
 log = logging.getLogger("bicodec_shm.supervisor")
 
@@ -259,9 +259,14 @@ class Supervisor:
     def _check_member_names(self) -> None:
         """Refuse to start while another server serves a member's name (after a short grace:
         the members of a killed supervisor stop within moments of its death)."""
-        deadline = time.monotonic() + MEMBER_NAME_GRACE
+        started = time.monotonic()
+        deadline = started + MEMBER_NAME_GRACE
         for m in self.members:
             while probe(m.name) is ServerState.SERVING:
+                if is_stopping(m.name):
+                    # Stopping, but finishing its batches first (full-size batches on a CPU
+                    # take longer than the grace): wait for it as long as ``start_wait``.
+                    deadline = max(deadline, started + self.start_wait)
                 if time.monotonic() >= deadline:
                     raise ServerAlreadyRunningError(
                         f"{m.name!r}, the name of member {m.index} of group {self.name!r}, is "

@@ -202,19 +202,22 @@ def test_dead_clients_slots_are_reclaimed(thread_server, shm_name):
         f"c = DecoderClient({shm_name!r}, slots=3); "
         "ts = [threading.Thread(target=c.decode, args=([1] * 40, [0] * 32)) for _ in range(3)]; "
         "[t.start() for t in ts]; [t.join() for t in ts]; c.decode([1], [0] * 32); "
-        "print(len(c._att.owned), flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+        # It dies holding two slots (requests about to be written).
+        "held = [c._att.take_slot(float('inf'))[0] for _ in range(2)]; "
+        "print(*held, *(int(c._att.segment.slots['generation'][s]) for s in held), flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGKILL, out.stderr
-    owned = int(out.stdout)
-    assert owned >= 1  # what it held when it died (quiescent handles keep one warm slot)
+    *held, gen_a, gen_b = (int(v) for v in out.stdout.split())
     seg = server.segment
     deadline = time.monotonic() + 2.0
     while (seg.slots["state"] != SlotState.FREE).any():
         assert time.monotonic() < deadline, seg.slots["state"]
         time.sleep(0.02)
-    assert stats_from_header(seg.header)["reclaimed"] == owned
-    assert seg.slots["generation"].sum() == owned
+    assert stats_from_header(seg.header)["reclaimed"] == 2
+    # The reaper bumped each claim epoch: a late result can never match a next owner.
+    assert seg.slots["generation"][held].tolist() == [gen_a + 1, gen_b + 1]
 
 
 def test_second_server_under_a_live_name_is_refused(thread_server, shm_name):

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from bicodec_shm.slot_io import check_headers, gather, publish
+
+
+def _seen(slots: np.ndarray) -> np.ndarray:
+    """When the server took each slot's req.I (one moment for every call of a test, so that
+    two calls over the same slots can be compared field for field)."""
+    return np.full(len(slots), _SEEN_NS, np.int64)
+
+
+_SEEN_NS = time.monotonic_ns() + 3600 * 10**9  # after every submit of the session
+
 from bicodec_shm.transport import BUSY, DONE, HOP, NO_BELL, READY, Segment, Status
 
 
@@ -33,7 +45,7 @@ def test_gather_validates_and_returns_the_private_copy_the_model_will_see(seg):
     """Finding 11: what is validated is what is decoded; later writes to the slot cannot reach it."""
     _ready(seg, 1, [3, 4, 5, 6])
     _ready(seg, 4, [9, 9])
-    req, failures = check_headers(seg, np.array([1, 4]), n_bells=6)
+    req, failures = check_headers(seg, np.array([1, 4]), _seen(np.array([1, 4])), n_bells=6)
     assert failures == [] and req.lengths.tolist() == [4, 2]
     batch, failures = gather(seg, req, semantic_vocab=8192, global_vocab=4096)
     assert failures == []
@@ -47,7 +59,7 @@ def test_gather_fails_rows_whose_copied_ids_are_out_of_range_and_keeps_the_rest(
     _ready(seg, 0, [1, 2, 8192])
     _ready(seg, 2, [5, 6])
     _ready(seg, 3, [5], globals_=4096)
-    req, _ = check_headers(seg, np.array([0, 2, 3]), n_bells=6)
+    req, _ = check_headers(seg, np.array([0, 2, 3]), _seen(np.array([0, 2, 3])), n_bells=6)
     batch, failures = gather(seg, req, semantic_vocab=8192, global_vocab=4096)
     assert batch.slots.tolist() == [2]
     assert [(s, st) for s, st, _ in failures] == [(0, Status.BAD_SEMANTIC_ID), (3, Status.BAD_GLOBAL)]
@@ -57,14 +69,14 @@ def test_gather_fails_rows_whose_copied_ids_are_out_of_range_and_keeps_the_rest(
 def test_check_headers_ignores_a_slot_that_is_not_ready(seg):
     _ready(seg, 5, [1, 2])
     seg.field["state"][5] = 1  # CLAIMED: its owner is still writing
-    req, failures = check_headers(seg, np.array([5]), n_bells=6)
+    req, failures = check_headers(seg, np.array([5]), _seen(np.array([5])), n_bells=6)
     assert len(req) == 0 and failures == []
 
 
 def test_publish_writes_each_rows_samples_and_results_for_mixed_dtypes(seg):
     _ready(seg, 1, [1, 2, 3], seq=11, dtype=0)
     _ready(seg, 2, [1, 2], seq=12, dtype=1)
-    req, _ = check_headers(seg, np.array([1, 2]), n_bells=6)
+    req, _ = check_headers(seg, np.array([1, 2]), _seen(np.array([1, 2])), n_bells=6)
     batch, _ = gather(seg, req, semantic_vocab=8192, global_vocab=4096)
     n = 3 * HOP
     pcm16 = np.arange(n, dtype=np.int16)[None]
@@ -82,10 +94,10 @@ def test_the_single_row_path_and_the_vectorised_path_agree_field_for_field(seg):
     """check_headers and gather take a scalar path for one slot: both must say the same."""
     for slot, tokens in ((1, [4, 5, 6]), (3, [7, 8]), (5, [9])):
         _ready(seg, slot, tokens, seq=slot * 10)
-    alone, _ = check_headers(seg, np.array([3]), n_bells=6)
-    together, _ = check_headers(seg, np.array([1, 3, 5]), n_bells=6)
+    alone, _ = check_headers(seg, np.array([3]), _seen(np.array([3])), n_bells=6)
+    together, _ = check_headers(seg, np.array([1, 3, 5]), _seen(np.array([1, 3, 5])), n_bells=6)
     row = together.take([1])
-    for field in ("slots", "lengths", "seqs", "dtypes", "notify", "submitted_ns"):
+    for field in ("slots", "lengths", "ids", "dtypes", "notify", "submitted_ns", "seen_ns"):
         a, b = getattr(alone, field), getattr(row, field)
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), field
     one, _ = gather(seg, alone, semantic_vocab=8192, global_vocab=4096)

@@ -112,7 +112,8 @@ def test_stats_and_decode_of_a_wrong_name_list_the_served_names(thread_server, s
     ids = str(tmp_path / "ids.txt")
     assert main(["stats", wrong]) == 1
     assert re.search(r"served now: .*" + re.escape(repr(shm_name)), capsys.readouterr().err)
-    assert main(["decode", "--name", wrong, "--semantic", ids, "--global", ids, "-o", str(tmp_path / "x.wav")]) == 1
+    out = str(tmp_path / "x.wav")
+    assert main(["decode", "--name", wrong, "--semantic", ids, "--global", ids, "-o", out]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"no bicodec-shm server is running under the name {wrong!r}" in err
     assert re.search(r"served now: .*" + re.escape(repr(shm_name)), err)
@@ -195,7 +196,7 @@ def test_decode_writes_the_lone_decode_as_a_wav(thread_server, shm_name, tmp_pat
         ("missing.txt", "glb.npy", "cannot read"),
         ("words.txt", "glb.npy", "item 2 is 'x', not an integer"),
         ("floats.npy", "glb.npy", "ids must be integers"),
-        ("square.npy", "glb.npy", "got shape (2, 2): a batch of 2 rows; run `bicodec-shm decode` once per row"),
+        ("square.npy", "glb.npy", "shape (2, 2): a batch of 2 rows; run `bicodec-shm decode` once per row"),
         ("pickle.npy", "glb.npy", "not a numpy array file"),
         ("sem.txt", "sem.txt", "global_ids must have exactly 32 ids, got 3"),
         ("big.txt", "glb.npy", "is out of range: ids must be in 0..8191"),

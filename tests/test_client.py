@@ -39,7 +39,7 @@ BAD_INPUTS = [
     ("a string", "1234", GLB, "sequence of int ids"),
     ("None", None, GLB, "is None"),
     ("2-D array", np.ones((2, 3), np.int64), GLB, r"must be 1-D.*shape \(2, 3\): a batch of 2 rows"),
-    ("a batch of lists", [[1, 2], [3, 4]], GLB, r"a list of 2 sequences: a batch of 2 rows; .*asyncio.gather"),
+    ("a batch of lists", [[1, 2], [3, 4]], GLB, r"a list of 2 sequences: a batch of 2 rows; .*gather"),
     ("a batch of globals", [1], [GLB, GLB], "a batch of 2 rows"),
     ("a column", np.ones((3, 1), np.int64), GLB, r"shape \(3, 1\)"),
     ("a list in a list", [1, [2]], GLB, r"semantic_ids\[1\] = \[2\] is a list"),

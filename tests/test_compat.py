@@ -51,7 +51,8 @@ def test_the_drop_in_takes_spark_tts_shapes_and_refuses_a_batch_saying_how(threa
     import torch
 
     thread_server()
-    semantic, global_ = torch.as_tensor(SEMANTIC)[None], torch.as_tensor(GLOBAL)[None, None]  # (1, T), (1, 1, 32)
+    # Spark-TTS's shapes: (1, T) and (1, 1, 32).
+    semantic, global_ = torch.as_tensor(SEMANTIC)[None], torch.as_tensor(GLOBAL)[None, None]
     batch_decoder = BiCodecBatchDecoder(shm_name)
     batch_decoder.start()
     try:

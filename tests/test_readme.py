@@ -94,7 +94,8 @@ def blocks(document: str) -> list[Block]:
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == ticks), None)
         if end is None:
             raise ValueError(f"{document}:{i + 1}: a ``` fence that is never closed")
-        language = "python" if info.lower() in PYTHON_FENCES else "bash" if info.lower() in BASH_FENCES else None
+        info = info.lower()
+        language = "python" if info in PYTHON_FENCES else "bash" if info in BASH_FENCES else None
         if language:
             body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]]
             found.append(Block(document, i + 1, language, "\n".join(body) + "\n",
@@ -171,8 +172,9 @@ class Session:
             os.chmod(path, 0o755)
         # The documents' relative paths (examples/http_tts/load.py) are from the repository root.
         os.symlink(os.path.join(ROOT, "examples"), os.path.join(self.folder, "examples"))
+        python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
         self.env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", BICODEC_SHM_NAME=self.name,
-                        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))  # fmt: skip
+                        PYTHONPATH=python_path)  # fmt: skip
 
     # -- blocks ---------------------------------------------------------------------------
 
@@ -225,7 +227,8 @@ class Session:
         if not re.search(r"--preset\b|--model-dir\b", command):
             command = re.sub(r"\bbicodec-shm (serve|demo)\b", r"bicodec-shm \1 --preset tiny", command)
         if "--name" not in command:
-            command = re.sub(r"\bbicodec-shm (serve|decode)\b", rf"bicodec-shm \1 --name {self.name}", command)
+            named = rf"bicodec-shm \1 --name {self.name}"
+            command = re.sub(r"\bbicodec-shm (serve|decode)\b", named, command)
         return command
 
     def _foreground(self, block: Block, argv: list[str], shown: str) -> None:
@@ -351,8 +354,9 @@ def test_the_http_examples_stream_command_is_the_one_run_here():
 
 def test_the_readme_skips_only_what_needs_the_network_or_a_gpu():
     """The README's skipped command lines, named: adding one to this list is a decision."""
-    skipped = [(" && ".join(chain), skip_reason(chain)) for block in blocks("README.md")
-               if block.language == "bash" for chain in commands(block.code) if skip_reason(chain)]  # fmt: skip
+    bash = [block for block in blocks("README.md") if block.language == "bash"]
+    chains = [chain for block in bash for chain in commands(block.code)]
+    skipped = [(" && ".join(chain), skip_reason(chain)) for chain in chains if skip_reason(chain)]
     network, weights, gpu = SKIPS[0][1], SKIPS[2][1], SKIPS[3][1]
     assert [why for _, why in skipped] == [
         SKIPS[1][1],  # a fresh machine: venv, installs, then the demo (test_cli runs the demo)

@@ -69,8 +69,10 @@ log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: our lines shar
 # A decode request holds at most the server's --max-tokens (1500 = 30 s) ids, ~8 KB of JSON; a
 # stream is cut into windows, so it may be longer: up to 10 minutes of audio.
 MAX_STREAM_TOKENS = 30_000
-STREAM_LIMIT = ("ids this service streams in one request (its MAX_STREAM_TOKENS, 10 minutes of "
-                "audio; the decoder's --max-tokens does not limit a stream); split the utterance")  # fmt: skip
+STREAM_LIMIT = (
+    "ids this service streams in one request (its MAX_STREAM_TOKENS, 10 minutes of audio; the "
+    "decoder's --max-tokens does not limit a stream); split the utterance"
+)
 MAX_BODY_BYTES = 1 << 20
 # uvicorn's exit code for "this worker cannot start" (uvicorn.config.STARTUP_FAILURE): since 0.50
 # its multiprocess master stops when a worker exits with it, instead of restarting it forever.

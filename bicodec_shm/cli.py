@@ -24,12 +24,18 @@ from .batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
-from .errors import BiCodecShmError
-from .group import GroupInfo, group_stats, read_group
+from .errors import BiCodecShmError, ServerAlreadyRunningError
+from .group import GroupInfo, group_stats, read_group, validate_group_name
+from .served import describe_served
 from .transport import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SLOTS,
+    MAGIC,
+    MAX_SLOTS,
+    Layout,
+    Phase,
     ServerState,
+    check_free_space,
     leftover_objects,
     probe,
     read_header,
@@ -37,12 +43,18 @@ from .transport import (
     remove_dead,
     validate_name,
 )
+from .validation import as_utterance
 
 DEFAULT_NAME = "bicodec-shm"
 SAMPLE_RATE = 16_000
 TOKENS_PER_SECOND = 50  # semantic tokens per second of 16 kHz audio (hop 320)
 _sleep = time.sleep  # `stats --watch` between samples; tests replace it to drive the intervals
 PRESETS = ("spark-tts-0.5b", "tiny")
+# transport.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
+MAX_TOKENS_LIMIT = 100_000
+# How long `serve` waits for a live server under its name to stop before refusing (a rolling
+# restart: SIGTERM to the old server, which finishes its running batch, and a new `serve` at once).
+NAME_GRACE = 5.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,8 +136,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
     d.set_defaults(func=_cmd_demo)
 
-    so = sub.add_parser("soak", help="server + clients for a while with random kills; checks every result")
+    from .soak import HELP_FORMATTER as SOAK_HELP_FORMATTER
     from .soak import add_arguments as add_soak_arguments
+
+    so = sub.add_parser("soak", help="server + clients for a while with random kills; checks every result",
+                        formatter_class=SOAK_HELP_FORMATTER)  # fmt: skip
 
     add_soak_arguments(so)
     so.set_defaults(func=_cmd_soak)
@@ -233,21 +248,29 @@ def _check_mode(mode: int, *, allow_world: bool) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # Everything that can refuse is checked here, before a model that takes seconds to load.
     _check_mode(args.mode, allow_world=args.allow_world_access)
+    group = "," in args.device
+    (validate_group_name if group else validate_name)(args.name)
+    check_server_args(args)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if "," in args.device:  # one server per device, named NAME.K, under a supervisor
+    if group:  # one server per device, named NAME.K, under a supervisor
         from .supervisor import parse_devices, serve_group
 
-        return serve_group(args.name, parse_devices(args.device), args.argv, mode=args.mode,
+        devices = parse_devices(args.device)
+        check_free_space(len(devices) * Layout(args.slots, args.max_tokens).total_size)
+        wait_for_name(args.name)
+        return serve_group(args.name, devices, args.argv, mode=args.mode,
                            metrics_port=args.metrics_port)  # fmt: skip
-    validate_name(args.name)
     if args.metrics_port is not None:
         from .metrics import require_prometheus_client
 
-        require_prometheus_client()  # before loading a model that takes seconds to load
+        require_prometheus_client()
+    check_free_space(Layout(args.slots, args.max_tokens).total_size)
+    wait_for_name(args.name)
     from .server import DecoderServer
 
     decoder = load_decoder(args)
@@ -271,6 +294,71 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_server_args(args: argparse.Namespace) -> None:
+    """The limits ``DecoderServer`` and ``Segment.create`` check, as one-line errors naming the
+    option, before anything is loaded (the same bounds, so neither refuses later)."""
+    checks = [
+        (1 <= args.slots <= MAX_SLOTS, f"--slots must be in 1..{MAX_SLOTS}, got {args.slots}"),
+        (1 <= args.max_tokens <= MAX_TOKENS_LIMIT,
+         f"--max-tokens must be in 1..{MAX_TOKENS_LIMIT}, got {args.max_tokens}"),
+        (args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}"),
+        (args.max_wait_ms >= 0, f"--max-wait-ms must be >= 0, got {args.max_wait_ms}"),
+        (args.rejoin_ms >= 0, f"--rejoin-ms must be >= 0, got {args.rejoin_ms}"),
+        (args.max_batch_tokens >= 1, f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}"),
+        (0.0 <= args.min_fill <= 1.0, f"--min-fill must be in [0, 1], got {args.min_fill}"),
+        (args.lanes is None or 1 <= args.lanes <= 64, f"--lanes must be in 1..64, got {args.lanes}"),
+        (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def wait_for_name(name: str, grace: float | None = None) -> None:
+    """Refuse, before the model loads, a name that a live server (or group) serves.
+
+    A server that is stopping still serves until its running batches end, and a rolling restart
+    starts the new ``serve`` at once: so a served name gets ``grace`` seconds (``NAME_GRACE``)
+    to be let go of first, with a line saying so. A name that is starting or stopping without
+    serving (BUSY) is left to ``Segment.create``, which waits for it."""
+    grace = NAME_GRACE if grace is None else grace
+    deadline = time.monotonic() + grace
+    said = False
+    while probe(name) is ServerState.SERVING and not _stopping(name):
+        if time.monotonic() >= deadline:
+            raise ServerAlreadyRunningError(
+                f"{name!r} is already being served{_pid_clause(name)}: stop that server first "
+                "(Ctrl-C in its terminal, or SIGTERM) or choose another --name"
+            )
+        if not said and grace > 0:
+            print(f"bicodec-shm: {name!r} is being served{_pid_clause(name)}; waiting up to "
+                  f"{grace:g} s for it to stop (a rolling restart) before refusing",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            said = True
+        time.sleep(0.05)
+
+
+def _stopping(name: str) -> bool:
+    """True if the server of ``name`` has marked its header as stopping (it will let go)."""
+    header = read_header(name)
+    return (header is not None and int(header["magic"]) == MAGIC
+            and int(header["phase"]) in (Phase.STOPPING, Phase.STOPPED))  # fmt: skip
+
+
+def _pid_clause(name: str) -> str:
+    """" (server pid N)" or " (a server group, supervisor pid N)", as far as it can be read."""
+    try:
+        info = read_group(name)
+        if info is not None:
+            return f" (a server group, supervisor pid {info.supervisor_pid})"
+        header = read_header(name)
+    except (BiCodecShmError, ValueError, OSError):
+        return ""
+    if header is None or int(header["magic"]) != MAGIC:
+        return ""
+    return f" (server pid {int(header['server_pid'])})"
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
@@ -279,7 +367,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         return _group_stats(args, info)
     header = read_header(args.name)
     if header is None:
-        raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm")
+        raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm; "
+                              f"{describe_served(exclude=args.name)}")  # fmt: skip
     stats = _stats(args.name, header)
     if args.watch is None:
         print(json.dumps(stats, indent=2) if args.json else format_stats(args.name, stats))
@@ -329,6 +418,9 @@ def _group_stats(args: argparse.Namespace, info: GroupInfo) -> int:
     """``stats N`` of a server group: the members side by side, or with ``--watch`` one line
     per member and interval."""
     stats = group_stats(info)
+    # The group object stays "alive" while its supervisor runs, even with every member down.
+    stats["members_serving"] = sum(bool(st.get("server_alive")) for st in stats["members"].values())
+    stats["serving"] = bool(stats["supervisor_alive"] and stats["members_serving"])
     if args.watch is None:
         print(json.dumps(stats, indent=2) if args.json else format_group_stats(stats))
         return 0
@@ -417,10 +509,12 @@ def format_group_stats(stats: dict) -> str:
                for m, st in members.items()}  # fmt: skip
     keys = list(max(columns.values(), key=len))
     alive = "alive" if stats["supervisor_alive"] else "not serving"
+    up = sum(bool(st.get("server_alive")) for st in members.values())
+    state = f"{up} of {len(members)} serving" if up else "DOWN: no member serves"
     rows = [("member", list(members))] + [(k, [columns[m].get(k, "-") for m in members]) for k in keys]
     width = max(len(k) for k, _ in rows)
     widths = [max(len(str(row[1][i])) for row in rows) for i in range(len(members))]
-    lines = [f"group {stats['group']}: {len(members)} members, supervisor pid "
+    lines = [f"group {stats['group']}: {len(members)} members, {state}; supervisor pid "
              f"{stats['supervisor_pid']} ({alive}), {stats['requests']} requests in all"]  # fmt: skip
     for key, values in rows:
         cells = "  ".join(f"{str(v):<{w}}" for v, w in zip(values, widths))
@@ -448,13 +542,25 @@ def stats_rows(stats: dict) -> list[tuple[str, object]]:
 def _cmd_decode(args: argparse.Namespace) -> int:
     from .client import DecoderClient
 
+    # Everything that can refuse without the server is checked before it is asked to decode.
     validate_name(args.name)
     try:
         semantic = read_ids(args.semantic, what="--semantic")
         global_ids = read_ids(args.global_, what="--global")
     except OSError as exc:
         raise ValueError(f"cannot read {exc.filename}: {exc.strerror}") from None
-    with DecoderClient(args.name, timeout=args.timeout) as client:
+    if args.output != "-":
+        check_writable(args.output)
+    state = probe(args.name)
+    if state in (ServerState.ABSENT, ServerState.DEAD):
+        raise BiCodecShmError(
+            f"no bicodec-shm server is running under the name {args.name!r}; "
+            f"{describe_served()} (start one with `bicodec-shm serve --name {args.name}`, "
+            "or pass the name of a running one with --name)"
+        )
+    starting = state is ServerState.BUSY  # a server is starting (or stopping): wait for it
+    with DecoderClient(args.name, timeout=args.timeout,
+                       connect_timeout=args.timeout if starting else 0.0) as client:  # fmt: skip
         pcm = client.decode(semantic, global_ids)  # (320·T,) int16
     data = wav_bytes(pcm)
     if args.output == "-":
@@ -472,11 +578,28 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_ids(path: str, *, what: str):  # -> np.ndarray (N,) int64
-    """Token ids from a ``.npy`` file (any integer dtype; a (1, N) array is flattened) or a text
-    file of integers separated by whitespace and/or commas (surrounding brackets allowed).
+def check_writable(path: str) -> None:
+    """Refuse an output path that cannot be written, without creating anything."""
+    if os.path.isdir(path):
+        raise ValueError(f"-o {path} is a folder: name the WAV file to write")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"-o {path}: the folder {folder} does not exist")
+    target = path if os.path.exists(path) else folder
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"-o {path}: {target} is not writable by this user")
 
-    Only the file's format is checked here; ranges and lengths are the client's checks.
+
+# A batch in a file: the CLI decodes one utterance per call.
+_CLI_BATCH_HINT = "run `bicodec-shm decode` once per row, each row in its own file"
+
+
+def read_ids(path: str, *, what: str):  # -> np.ndarray (N,) integer
+    """Token ids from a ``.npy`` file (any integer dtype and the API's shape rule: leading
+    dimensions of size 1, as in Spark-TTS's (1, T), are dropped) or a text file of integers
+    separated by whitespace and/or commas (surrounding brackets allowed).
+
+    The file's format and shape are checked here; ranges and lengths are the client's checks.
     """
     import numpy as np
 
@@ -487,9 +610,7 @@ def read_ids(path: str, *, what: str):  # -> np.ndarray (N,) int64
             raise ValueError(f"{what} {path}: not a numpy array file ({exc})") from None
         if arr.dtype.kind not in "iu":
             raise ValueError(f"{what} {path}: ids must be integers, the array is {arr.dtype}")
-        if sum(d != 1 for d in arr.shape) > 1:
-            raise ValueError(f"{what} {path}: expected a 1-D array of ids, got shape {arr.shape}")
-        return arr.reshape(-1).astype(np.int64)
+        return as_utterance(arr, what=f"{what} {path}", batch_hint=_CLI_BATCH_HINT)
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     words = [w for w in re.split(r"[\s,]+", text.strip().strip("[]")) if w]

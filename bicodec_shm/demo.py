@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shlex
 import subprocess
 import sys
 import time
@@ -178,7 +179,7 @@ def _start_server(args: argparse.Namespace, name: str) -> subprocess.Popen:
         cmd += ["--model-dir", args.model_dir]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    print(f"starting server: {' '.join(cmd[1:])}", file=sys.stderr)
+    print(f"starting server: {shlex.join(cmd)}", file=sys.stderr)  # runnable as printed
     return subprocess.Popen(cmd)
 
 

@@ -411,30 +411,44 @@ def format_result(r: SoakResult) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+# The defaults run the whole fault mix the README advertises, at rates that give a one-minute
+# run (the default --duration) about 60 client kills, 3 server kills, 4 rolling restarts and 15
+# forks: every fault happens more than once. Each mean is jittered by 0.5x to 1.5x.
+DEFAULT_DURATION = 60.0
+DEFAULT_KILL_EVERY = 1.0
+DEFAULT_KILL_SERVER_EVERY = 20.0
+DEFAULT_TERM_SERVER_EVERY = 15.0
+DEFAULT_FORK_EVERY = 4.0
+HELP_FORMATTER = argparse.ArgumentDefaultsHelpFormatter  # every option's default in --help
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--kill-every", type=float, default=1.0,
-                   help="mean seconds between client kills (0: none)")  # fmt: skip
-    p.add_argument("--kill-server-every", type=float, default=0.0,
-                   help="mean seconds between server kills (0: none)")  # fmt: skip
-    p.add_argument("--term-server-every", type=float, default=0.0,
+    """The soak's options; build ``p`` with ``formatter_class=HELP_FORMATTER`` to show defaults."""
+    p.add_argument("--duration", type=float, default=DEFAULT_DURATION, help="seconds of faults")
+    p.add_argument("--clients", type=int, default=8, help="client processes decoding at once")
+    p.add_argument("--kill-every", type=float, default=DEFAULT_KILL_EVERY,
+                   help="mean seconds between client SIGKILLs (0: none)")  # fmt: skip
+    p.add_argument("--kill-server-every", type=float, default=DEFAULT_KILL_SERVER_EVERY,
+                   help="mean seconds between server SIGKILLs, each followed by a restart (0: none)")
+    p.add_argument("--term-server-every", type=float, default=DEFAULT_TERM_SERVER_EVERY,
                    help="mean seconds between rolling restarts: SIGTERM + a new server (0: none)")
-    p.add_argument("--fork-every", type=float, default=0.0,
+    p.add_argument("--fork-every", type=float, default=DEFAULT_FORK_EVERY,
                    help="mean seconds between client forks (0: none)")  # fmt: skip
-    p.add_argument("--preset", default="tiny", choices=("tiny", "spark-tts-0.5b"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--preset", default="tiny", choices=("tiny", "spark-tts-0.5b"),
+                   help="the server's architecture (random weights)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the fault schedule")
+    p.add_argument("--slots", type=int, default=64, help="the server's --slots")
     p.add_argument("--pool", type=int, default=48, help="distinct requests with references")
     p.add_argument("--max-len", type=int, default=150, help="longest request in tokens")
-    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "client":
         return client_main(argv[1:])
-    p = argparse.ArgumentParser(prog="bicodec-shm soak", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bicodec-shm soak", description=__doc__.splitlines()[0],
+                                formatter_class=HELP_FORMATTER)  # fmt: skip
     add_arguments(p)
     return run_and_report(p.parse_args(argv))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -55,11 +56,67 @@ def test_serve_then_stats_json_then_sigterm(shm_name, capsys):
     assert leftover_objects(shm_name) == []
 
 
-def test_serve_refuses_a_name_with_a_live_server(start_server, shm_name, capsys):
-    start_server()
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if ``serve`` gets as far as loading a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("serve loaded a model before refusing")
+
+    monkeypatch.setattr(cli, "load_decoder", refuse)
+
+
+def test_serve_refuses_a_name_with_a_live_server_before_loading(start_server, shm_name, capsys,
+                                                                no_model_load, monkeypatch):  # fmt: skip
+    proc = start_server()
+    monkeypatch.setattr(cli, "NAME_GRACE", 0.3)
+    started = time.monotonic()
     rc = main(["serve", "--preset", "tiny", "--name", shm_name])
-    assert rc == 1
-    assert "already serving" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 1 and time.monotonic() - started < 5
+    assert f"{shm_name!r} is already being served (server pid {proc.pid}): stop that server" in err
+    assert "waiting up to 0.3 s for it to stop" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slots", "0"], "--slots must be in 1..4096, got 0"),
+    (["--slots", "5000"], "--slots must be in 1..4096, got 5000"),
+    (["--max-tokens", "0"], "--max-tokens must be in 1..100000, got 0"),
+    (["--max-tokens", "100001"], "--max-tokens must be in 1..100000, got 100001"),
+    (["--min-fill", "1.5"], "--min-fill must be in [0, 1], got 1.5"),
+    (["--lanes", "0"], "--lanes must be in 1..64, got 0"),
+    (["--name", "a b"], "invalid segment name 'a b'"),
+    (["--device", "cpu,cpu", "--name", "grp.0"], "cannot end in a member suffix"),
+])  # fmt: skip
+def test_serve_checks_its_options_before_loading(argv, message, shm_name, capsys, no_model_load):
+    assert main(["serve", "--preset", "tiny", "--name", shm_name, *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_rolling_restart_waits_for_the_stopping_server_to_let_go(start_server, shm_name):
+    """SIGTERM and a new `serve` at once: the old server still serves while it finishes its
+    batches, and the new one's name check waits for it instead of refusing."""
+    proc = start_server()
+    threading.Timer(0.3, proc.send_signal, (signal.SIGTERM,)).start()
+    started = time.monotonic()
+    cli.wait_for_name(shm_name, grace=20)
+    assert time.monotonic() - started < 20
+    assert proc.wait(20) == 0
+
+
+def test_stats_and_decode_of_a_wrong_name_list_the_served_names(thread_server, shm_name, tmp_path, capsys):
+    thread_server()
+    wrong = shm_name + "-typo"
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, range(32))))
+    ids = str(tmp_path / "ids.txt")
+    assert main(["stats", wrong]) == 1
+    assert re.search(r"served now: .*" + re.escape(repr(shm_name)), capsys.readouterr().err)
+    out = str(tmp_path / "x.wav")
+    assert main(["decode", "--name", wrong, "--semantic", ids, "--global", ids, "-o", out]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no bicodec-shm server is running under the name {wrong!r}" in err
+    assert re.search(r"served now: .*" + re.escape(repr(shm_name)), err)
 
 
 def test_stats_of_a_missing_name_fails_clearly(shm_name, capsys):
@@ -97,9 +154,11 @@ def test_demo_runs_checks_results_and_leaves_nothing(tmp_path, capsys):
     assert summary["requests"] == 12 and summary["failed"] == 0
     assert summary["checked"] == 3 and summary["max_lsb_error"] <= 1
     assert summary["shm_left_behind"] == []
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
     for words in ("throughput", "avg batch size", "latency p50 / p99", "wall time"):
-        assert words in printed
+        assert words in captured.out
+    # The server's command line as it ran, interpreter included: copy-paste runnable.
+    assert f"starting server: {shlex.quote(sys.executable)} -m bicodec_shm serve --name " in captured.err
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -115,12 +174,12 @@ def test_decode_writes_the_lone_decode_as_a_wav(thread_server, shm_name, tmp_pat
     thread_server()
     rng = np.random.default_rng(3)
     sem, glb = rng.integers(0, 8192, 77), rng.integers(0, 4096, 32)
-    # Text as people paste it (commas, newlines, brackets), and a (1, 32) int32 array as
+    # Text as people paste it (commas, newlines, brackets), and a (1, 1, 32) int32 array as
     # Spark-TTS's tensors save.
     (tmp_path / "sem.txt").write_text(
         "[" + ",\n".join(" ".join(map(str, row)) for row in np.split(sem, 7)) + "]"
     )
-    np.save(tmp_path / "glb.npy", glb.astype(np.int32)[None])
+    np.save(tmp_path / "glb.npy", glb.astype(np.int32)[None, None])  # Spark-TTS's (1, 1, 32)
     out = tmp_path / "out.wav"
     rc = main(["decode", "--name", shm_name, "--semantic", str(tmp_path / "sem.txt"),
                "--global", str(tmp_path / "glb.npy"), "-o", str(out)])  # fmt: skip
@@ -137,7 +196,7 @@ def test_decode_writes_the_lone_decode_as_a_wav(thread_server, shm_name, tmp_pat
         ("missing.txt", "glb.npy", "cannot read"),
         ("words.txt", "glb.npy", "item 2 is 'x', not an integer"),
         ("floats.npy", "glb.npy", "ids must be integers"),
-        ("square.npy", "glb.npy", "expected a 1-D array of ids, got shape (2, 2)"),
+        ("square.npy", "glb.npy", "shape (2, 2): a batch of 2 rows; run `bicodec-shm decode` once per row"),
         ("pickle.npy", "glb.npy", "not a numpy array file"),
         ("sem.txt", "sem.txt", "global_ids must have exactly 32 ids, got 3"),
         ("big.txt", "glb.npy", "is out of range: ids must be in 0..8191"),
@@ -160,6 +219,17 @@ def test_decode_errors_are_one_line(thread_server, shm_name, tmp_path, capsys, s
     assert rc == 1 and err.count("\n") == 1 and err.startswith("bicodec-shm: error: ")
     assert message in err
     assert not (tmp_path / "out.wav").exists()
+
+
+def test_decode_checks_the_output_before_asking_the_server(shm_name, tmp_path, capsys):
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, range(32))))
+    ids = str(tmp_path / "ids.txt")
+    for out, words in [(tmp_path / "missing" / "out.wav", "does not exist"), (tmp_path, "is a folder")]:
+        # No server serves shm_name: the output's error comes first, and nothing is written.
+        assert main(["decode", "--name", shm_name, "--semantic", ids, "--global", ids, "-o", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"-o {out}" in err and words in err
+    assert not (tmp_path / "missing").exists()
 
 
 def test_decode_without_a_server_is_one_line(shm_name, tmp_path, capsys):
@@ -283,3 +353,39 @@ def test_stats_watch_survives_a_server_restart(thread_server, shm_name, monkeypa
     assert "new server" in note and "rates from its start" in note
     assert row.split()[-2:] == ["1", "alive"]  # the new server's total, not 3 + 1, nor -2
     assert float(row.split()[2]) > 0  # req/s of the interval: the new server's one request
+
+
+# -- smaller: a group with every member down, bench's output folder ----------------------------
+
+
+def test_group_stats_say_down_when_no_member_serves():
+    member = {"device": "cpu", "restarts": 3, "server_alive": False}
+    stats = {"group": "tts", "supervisor_pid": 42, "supervisor_alive": True, "requests": 0,
+             "members": {"tts.0": dict(member), "tts.1": dict(member)}}  # fmt: skip
+    head = cli.format_group_stats(stats).splitlines()[0]
+    assert head.startswith("group tts: 2 members, DOWN: no member serves; supervisor pid 42 (alive)")
+    stats["members"]["tts.1"] = {"device": "cpu", "restarts": 0, "server_alive": True, **_member_counters()}
+    assert "1 of 2 serving" in cli.format_group_stats(stats).splitlines()[0]
+
+
+def _member_counters() -> dict:
+    from bicodec_shm.transport import HEADER_DT, stats_from_header
+
+    return stats_from_header(np.zeros(1, HEADER_DT)[0])
+
+
+def test_bench_names_where_it_writes(tmp_path):
+    import argparse
+
+    from bicodec_shm.bench import add_arguments
+    from bicodec_shm.bench.cli import Plan
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--quick", "--out-dir", str(tmp_path / "results")])
+    Plan(args)
+    assert args.json == str(tmp_path / "results" / "bench_throughput.json")
+    assert args.plot == str(tmp_path / "results" / "bench_throughput.png")
+    default = p.parse_args(["--quick"])
+    Plan(default)
+    assert default.json == os.path.join("benchmarks", "out", "bench_throughput.json")

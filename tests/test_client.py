@@ -39,8 +39,12 @@ BAD_INPUTS = [
     ("str element", ["12"], GLB, "is a str"),
     ("a string", "1234", GLB, "sequence of int ids"),
     ("None", None, GLB, "is None"),
-    ("2-D array", np.ones((2, 3), np.int64), GLB, "must be 1-D"),
-    ("nested list", [[1, 2]], GLB, "is a list"),
+    ("2-D array", np.ones((2, 3), np.int64), GLB, r"must be 1-D.*shape \(2, 3\): a batch of 2 rows"),
+    ("a batch of lists", [[1, 2], [3, 4]], GLB, r"a list of 2 sequences: a batch of 2 rows; .*gather"),
+    ("a batch of globals", [1], [GLB, GLB], "a batch of 2 rows"),
+    ("a column", np.ones((3, 1), np.int64), GLB, r"shape \(3, 1\)"),
+    ("a list in a list", [1, [2]], GLB, r"semantic_ids\[1\] = \[2\] is a list"),
+    ("a scalar", np.int64(5), GLB, "must be 1-D, a sequence of ids, got a single value"),
     ("float numpy dtype", np.array([1.0, 2.0]), GLB, "integer dtype"),
     ("NaN", [1, float("nan")], GLB, "is a float"),
     ("NaN array", np.array([np.nan]), GLB, "integer dtype"),
@@ -78,6 +82,26 @@ def test_tensor_and_numpy_inputs_are_accepted(thread_server, shm_name):
         b = client.decode(torch.as_tensor(sem), torch.as_tensor(GLB))
         c = client.decode(sem.astype(np.uint16).tolist(), np.array(GLB, np.int32))
     assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def test_spark_tts_shapes_are_one_request_everywhere(thread_server, shm_name):
+    """Spark-TTS's (1, T) semantic and (1, 1, 32) global tensors, and the same as numpy arrays
+    and nested lists: leading dimensions of size 1 are dropped, sync and async alike."""
+    import torch
+
+    thread_server()
+    sem = np.arange(10, 40)
+    shaped = [
+        (torch.as_tensor(sem)[None], torch.as_tensor(GLB)[None, None]),
+        (sem[None], np.array(GLB)[None, None]),
+        ([sem.tolist()], [[GLB]]),
+        (torch.as_tensor(sem, dtype=torch.int32)[None, None], (np.array(GLB),)),
+    ]
+    with DecoderClient(shm_name) as client:
+        expected = client.decode(sem, GLB)
+        for s, g in shaped:
+            assert np.array_equal(client.decode(s, g), expected)
+            assert np.array_equal(asyncio.run(client.decode_async(s, g)), expected)
 
 
 def test_200_concurrent_coroutines_all_complete_correctly(thread_server, shm_name):

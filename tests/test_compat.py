@@ -47,6 +47,24 @@ def test_snippet_against_a_running_server_by_name(start_server, shm_name):
     assert stats["total_requests"] >= 1
 
 
+def test_the_drop_in_takes_spark_tts_shapes_and_refuses_a_batch_saying_how(thread_server, shm_name):
+    import torch
+
+    thread_server()
+    # Spark-TTS's shapes: (1, T) and (1, 1, 32).
+    semantic, global_ = torch.as_tensor(SEMANTIC)[None], torch.as_tensor(GLOBAL)[None, None]
+    batch_decoder = BiCodecBatchDecoder(shm_name)
+    batch_decoder.start()
+    try:
+        audio_bytes = asyncio.run(batch_decoder.decode_async(semantic, global_))
+        with pytest.raises(ValueError, match=r"a batch of 2 rows; send each row as its own request"):
+            asyncio.run(batch_decoder.decode_async(semantic.repeat(2, 1), global_))
+    finally:
+        batch_decoder.stop()
+    expected = seed_int16(single_decode(SEMANTIC, GLOBAL))
+    assert np.abs(np.frombuffer(audio_bytes, "<i2").astype(np.int32) - expected).max() <= 1
+
+
 def test_concurrent_coroutines_share_batches_and_bad_input_fails_alone():
     batch_decoder = BiCodecBatchDecoder(reference_model(), max_batch=8, timeout_ms=5)
     batch_decoder.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,7 +36,7 @@ from bicodec_shm.transport import leftover_objects, read_header, stats_from_head
 if ROOT not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the root on the path
     sys.path.insert(0, ROOT)
 from examples.http_tts import load  # noqa: E402
-from examples.http_tts.app import Settings, create_app  # noqa: E402
+from examples.http_tts.app import ConfigError, Settings, create_app  # noqa: E402
 
 STARTED = "Application startup complete."
 
@@ -344,3 +345,41 @@ def test_no_free_slot_at_the_decoder_until_the_deadline_is_504_naming_slots(shm_
 def test_a_bad_decoder_name_stops_the_worker_at_start():
     with pytest.raises(ValueError, match="name"):
         create_app(Settings(name="no/slashes"))
+
+
+@pytest.mark.parametrize("variable, value, words", [
+    ("BICODEC_SHM_NAME", "a/b", "invalid segment name 'a/b'"),
+    ("BICODEC_SHM_TIMEOUT", "0", "must be > 0"),
+    ("BICODEC_SHM_TIMEOUT", "soon", "not a float"),
+    ("BICODEC_SHM_CLIENT_SLOTS", "2.5", "not an int"),
+])  # fmt: skip
+def test_every_setting_is_checked_when_the_app_is_made(monkeypatch, variable, value, words):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"^{variable}='{re.escape(value)}': .*{words}"):
+        create_app()
+
+
+def test_a_bad_setting_stops_uvicorns_master_once_with_one_line():
+    """Not a crash loop of tracebacks: each worker exits with uvicorn's STARTUP_FAILURE, the
+    first of them says why in one line, and the master stops."""
+    variable, value, words = "BICODEC_SHM_NAME", "bad name!", "invalid segment name 'bad name!'"
+    env = dict(os.environ, **{variable: value})
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "uvicorn", "examples.http_tts.app:app", "--workers", "2",
+         "--host", "127.0.0.1", "--port", str(_free_port())],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    log = done.stdout + done.stderr
+    errors = [line for line in log.splitlines() if "bad setting" in line]
+    assert errors == [errors[0]] and f"{variable}={value!r}" in errors[0] and words in errors[0], log
+    assert "Traceback" not in log and "died" not in log, log
+    assert time.monotonic() - started < 30
+
+
+def test_the_stream_length_error_names_the_apps_limit_not_the_servers(shm_name):
+    too_long = {"semantic_ids": [1] * 30_001, "global_ids": list(range(32))}
+    (r,) = asyncio.run(_call(create_app(Settings(name=shm_name)), ("POST", "/v1/decode/stream", too_long)))
+    error = r.json()["error"]
+    assert r.status_code == 422 and "30001 ids, more than the 30000" in error
+    assert "MAX_STREAM_TOKENS" in error and "server's --max-tokens" not in error

@@ -1,58 +1,90 @@
-"""Every ```python block of the README runs as written, each in its own interpreter, against a
-tiny server.
+"""The README runs top to bottom, in order, as a reader would run it: every ```bash and ```python
+block, in one temporary folder per document, against the servers the document itself starts.
 
-What a block must be (the README's writers' side of this test):
+What the test does with each block:
 
-- a whole program: its own imports and ids, no top-level ``await``, no names from another block,
-  nothing from outside (weights, GPU, network);
-- it reaches the decoder only by the CLI's default name, the string literal ``"bicodec-shm"``:
-  the test serves a random name and substitutes it for that literal, so that parallel runs on
-  one machine never collide, while a reader runs the block as printed after a plain
-  ``bicodec-shm serve``;
-- it finishes within ``BLOCK_TIMEOUT`` seconds on the tiny model, in a fresh temporary folder.
+- ```python blocks run as written, each in its own interpreter, with the CLI's default name
+  (the string literal ``"bicodec-shm"``) replaced by a random name, so that parallel runs on one
+  machine never collide. A block must be a whole program: its own imports and ids, no top-level
+  ``await``, no names from another block (files it wrote are fine: the folder is shared).
+- ```bash blocks run line by line (``\\`` continues a line; ``&&`` chains are split), through
+  bash, with ``bicodec-shm``, ``python``, ``python3`` and ``uvicorn`` on the PATH as this
+  interpreter and this checkout. ``bicodec-shm serve`` and ``uvicorn`` keep running in the
+  background, as in a reader's other terminal, until the document says to stop them. Where a
+  command uses the default name it gets the random one (``--name``, ``BICODEC_SHM_NAME``); a
+  ``serve`` or ``demo`` without ``--preset`` or ``--model-dir`` gets ``--preset tiny`` (the
+  full-size model on random weights would take minutes on a CPU); the documented ports get free
+  ones.
+- Skipped, each with its reason (``SKIPS``), and nothing else: commands that need the network
+  (installs, the weights' download), a GPU, or that run this test suite.
 
-Shell commands belong in ```bash blocks, which are not run here.
+Stopping: a reader stops a server with Ctrl-C. Prose that says to (``Ctrl-C`` followed within a
+few words by ``above`` or ``previous``) makes the test send SIGINT to everything running in the
+background before the next block that starts a server (if that block is skipped, the instruction
+was for it alone). A block that starts a server under a name that is still served, without such
+an instruction, fails: that is the collision a reader would hit.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+import urllib.error
+import urllib.request
+import wave
+from dataclasses import dataclass, field
 
 import pytest
-from conftest import ROOT, serve_command, wait_until_serving
+from conftest import ROOT
 
 from bicodec_shm import processes
 from bicodec_shm.cli import DEFAULT_NAME
 from bicodec_shm.transport import leftover_objects, random_name, unlink_all
 
-# The documents whose blocks must run.
 DOCUMENTS = ("README.md",)
 BLOCK_TIMEOUT = 120
 PYTHON_FENCES = ("python", "py", "python3")
+BASH_FENCES = ("bash", "sh", "shell")
 NAME_LITERAL = re.compile(r"""(["'])""" + re.escape(DEFAULT_NAME) + r"""\1""")
 USES_SERVER = re.compile(r"\b(DecoderClient|BiCodecBatchDecoder|DecodeStream)\b")
+STOP_INSTRUCTION = re.compile(r"Ctrl-C\b.{0,60}?\b(above|previous)\b", re.S)
+DOCUMENTED_PORTS = ("8000", "9410")
+
+# (pattern of a command, why it is not run here). Only the network, a GPU, and the suite itself.
+SKIPS = (
+    (r"^pip install\b", "needs the network: installs packages (this environment has them)"),
+    (r"^python3? -m venv\b|^\. \.venv/bin/activate\b", "a fresh virtualenv, for the installs above"),
+    (r"\bhf download\b|\bhuggingface-cli\b|\bsnapshot_download\b", "needs the network: the weights"),
+    (r"--device[ =]cuda", "needs a GPU"),
+    (r"-m pytest\b", "runs this test suite itself (CI runs it)"),
+)
+SERVE = re.compile(r"\bbicodec-shm serve\b")
+LONG_RUNNING = re.compile(r"\bbicodec-shm serve\b|^(\w+=\S*\s+)*uvicorn\b")
 
 
 @dataclass(frozen=True)
 class Block:
     document: str
     line: int  # of the opening fence, 1-based
+    language: str  # "python" or "bash"
     code: str
+    prose: str  # the text between the previous block and this one
 
     def __str__(self) -> str:
         return f"{self.document}:{self.line}"
 
 
-def python_blocks(document: str) -> list[Block]:
-    """The fenced ```python blocks of a Markdown file, in order."""
+def blocks(document: str) -> list[Block]:
+    """The fenced ```python and ```bash blocks of a Markdown file, in order."""
     with open(os.path.join(ROOT, document), encoding="utf-8") as f:
         lines = f.read().splitlines()
-    blocks, i = [], 0
+    found, i, prose_from = [], 0, 0
     while i < len(lines):
         fence = re.match(r"^(\s*)(`{3,})\s*([\w+-]*)", lines[i])
         if not fence:
@@ -62,36 +94,215 @@ def python_blocks(document: str) -> list[Block]:
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == ticks), None)
         if end is None:
             raise ValueError(f"{document}:{i + 1}: a ``` fence that is never closed")
-        if info.lower() in PYTHON_FENCES:
+        info = info.lower()
+        language = "python" if info in PYTHON_FENCES else "bash" if info in BASH_FENCES else None
+        if language:
             body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]]
-            blocks.append(Block(document, i + 1, "\n".join(body) + "\n"))
+            found.append(Block(document, i + 1, language, "\n".join(body) + "\n",
+                               "\n".join(lines[prose_from:i])))  # fmt: skip
+            prose_from = end + 1
         i = end + 1
-    return blocks
+    return found
 
 
-ALL_BLOCKS = [block for document in DOCUMENTS for block in python_blocks(document)]
+def commands(code: str) -> list[list[str]]:
+    """A bash block's command lines, each a ``&&`` chain of commands (continued lines joined,
+    comments kept)."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    out, pending = [], ""
+    for line in joined.splitlines():
+        pending = f"{pending}\n{line}" if pending else line
+        try:
+            shlex.split(pending, comments=True)
+        except ValueError:  # a quoted string goes on over the next line
+            continue
+        if pending.strip() and not pending.strip().startswith("#"):
+            out.append([part.strip() for part in pending.split(" && ")])
+        pending = ""
+    assert not pending, f"unbalanced quotes in: {pending}"
+    return out
 
 
-@pytest.fixture(scope="module")
-def readme_server() -> Iterator[str]:
-    """One tiny server for all blocks, under a random name stood in for "bicodec-shm"."""
-    name = random_name("bcshm-readme")
-    proc = subprocess.Popen(serve_command(name), cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_serving(name, proc=proc)
-        yield name
-    finally:
-        processes.stop_server(proc, timeout=20)
-        proc.stderr.close()
-        unlink_all(name)
-    assert leftover_objects(name) == []
+def skip_reason(chain: list[str]) -> str | None:
+    """Why a ``&&`` chain is not run: a command in it needs what this test lacks (the commands
+    after it depend on it, as ``&&`` says)."""
+    return next((why for command in chain for pattern, why in SKIPS if re.search(pattern, command)), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Background:
+    proc: subprocess.Popen
+    command: str
+    block: Block
+    log: str
+    is_server: bool
+
+    def tail(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()[-3000:]
+
+
+@dataclass
+class Session:
+    """One reader working through one document, in ``folder``, under the name ``name``."""
+
+    folder: str
+    name: str
+    ports: dict[str, str]
+    background: list[Background] = field(default_factory=list)
+    stop_pending: bool = False
+    ran: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    timings: list[tuple[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        bin_dir = os.path.join(self.folder, "bin")
+        os.makedirs(bin_dir)
+        for tool, target in (("bicodec-shm", "-m bicodec_shm"), ("python", ""), ("python3", ""),
+                             ("uvicorn", "-m uvicorn")):  # fmt: skip
+            path = os.path.join(bin_dir, tool)
+            with open(path, "w") as f:
+                f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {target} "$@"\n')
+            os.chmod(path, 0o755)
+        # The documents' relative paths (examples/http_tts/load.py) are from the repository root.
+        os.symlink(os.path.join(ROOT, "examples"), os.path.join(self.folder, "examples"))
+        python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+        self.env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", BICODEC_SHM_NAME=self.name,
+                        PYTHONPATH=python_path)  # fmt: skip
+
+    # -- blocks ---------------------------------------------------------------------------
+
+    def run(self, block: Block) -> None:
+        started = time.monotonic()
+        try:
+            self._run(block)
+        finally:
+            self.timings.append((str(block), time.monotonic() - started))
+
+    def _run(self, block: Block) -> None:
+        if STOP_INSTRUCTION.search(block.prose):
+            self.stop_pending = True
+        if block.language == "python":
+            self._python(block)
+        else:
+            for chain in commands(block.code):
+                why = skip_reason(chain)
+                if why is not None:
+                    self.skipped.append((f"{block}: {' && '.join(chain)}", why))
+                    continue
+                for command in chain:
+                    self._bash(block, command)
+        if SERVE.search(block.code):
+            self.stop_pending = False  # the instruction was for this block's server
+        for bg in self.background:
+            assert bg.proc.poll() is None, (
+                f"{bg.block}: `{bg.command}` exited ({bg.proc.returncode}) while the document "
+                f"still needed it:\n{bg.tail()}"
+            )
+
+    def _python(self, block: Block) -> None:
+        code = NAME_LITERAL.sub(lambda m: f"{m[1]}{self.name}{m[1]}", block.code)
+        script = os.path.join(self.folder, f"block_{block.line}.py")
+        with open(script, "w") as f:
+            f.write(code)
+        self._foreground(block, [sys.executable, script], block.code)
+
+    def _bash(self, block: Block, command: str) -> None:
+        command = self._substitute(command)
+        if LONG_RUNNING.search(command):
+            self._start(block, command)
+        else:
+            self._foreground(block, ["bash", "-o", "pipefail", "-ec", command], command)
+        self.ran.append(command)
+
+    def _substitute(self, command: str) -> str:
+        for documented, port in self.ports.items():
+            command = re.sub(rf"\b{documented}\b", port, command)
+        if not re.search(r"--preset\b|--model-dir\b", command):
+            command = re.sub(r"\bbicodec-shm (serve|demo)\b", r"bicodec-shm \1 --preset tiny", command)
+        if "--name" not in command:
+            named = rf"bicodec-shm \1 --name {self.name}"
+            command = re.sub(r"\bbicodec-shm (serve|decode)\b", named, command)
+        return command
+
+    def _foreground(self, block: Block, argv: list[str], shown: str) -> None:
+        try:
+            done = subprocess.run(argv, cwd=self.folder, env=self.env, capture_output=True, text=True,
+                                  timeout=BLOCK_TIMEOUT)  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{block} ran over {BLOCK_TIMEOUT} s:\n{shown}\n{exc.stderr or ''}")
+        assert done.returncode == 0, (
+            f"{block} failed ({done.returncode}):\n{shown}\n--- stdout:\n{done.stdout[-3000:]}\n"
+            f"--- stderr:\n{done.stderr[-3000:]}{self._background_logs()}"
+        )
+
+    # -- background servers -------------------------------------------------------------
+
+    def _start(self, block: Block, command: str) -> None:
+        if SERVE.search(command):
+            running = [bg for bg in self.background if bg.is_server and bg.proc.poll() is None]
+            if running and not self.stop_pending:
+                pytest.fail(
+                    f"{block} starts `{command}` while `{running[0].command}` ({running[0].block}) still "
+                    "serves the same name, and the document does not tell the reader to stop it "
+                    "(Ctrl-C ... above) first"
+                )
+            if self.stop_pending:
+                self.stop_all()
+        log = os.path.join(self.folder, f"background_{len(self.background)}.log")
+        with open(log, "w") as f:
+            proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.folder, env=self.env,
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        bg = Background(proc, command, block, log, is_server=bool(SERVE.search(command)))
+        self.background.append(bg)
+        if bg.is_server:
+            try:
+                processes.wait_until_serving(self.name, proc, timeout=60)
+            except Exception as exc:
+                pytest.fail(f"{block}: `{command}` did not come up ({exc}):\n{bg.tail()}")
+        else:
+            self._wait_for_http(bg, re.search(r"--port (\d+)", command)[1])
+
+    def _wait_for_http(self, bg: Background, port: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert bg.proc.poll() is None, f"{bg.block}: `{bg.command}` exited:\n{bg.tail()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"{bg.block}: `{bg.command}` did not answer on port {port}:\n{bg.tail()}")
+
+    def stop_all(self) -> None:
+        """Ctrl-C to everything in the background, as a reader would; SIGKILL if it hangs."""
+        for bg in self.background:
+            if bg.proc.poll() is None:
+                os.killpg(bg.proc.pid, signal.SIGINT)
+        for bg in self.background:
+            try:
+                bg.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(bg.proc.pid, signal.SIGKILL)
+                bg.proc.wait()
+        self.background = [bg for bg in self.background if bg.proc.poll() is None]
+
+    def _background_logs(self) -> str:
+        return "".join(f"\n--- background `{bg.command}`:\n{bg.tail()}" for bg in self.background)
 
 
 @pytest.mark.parametrize("document", DOCUMENTS)
-def test_the_document_has_python_blocks_that_name_the_default_server(document):
-    blocks = python_blocks(document)
-    assert blocks, f"{document} has no ```python block: is DOCUMENTS still right?"
-    for block in blocks:
+def test_a_python_block_that_uses_a_server_names_the_default_one(document):
+    python = [block for block in blocks(document) if block.language == "python"]
+    for block in python:
         if USES_SERVER.search(block.code):
             assert NAME_LITERAL.search(block.code), (
                 f"{block}: a block that uses a server must name it {DEFAULT_NAME!r} (the CLI "
@@ -100,14 +311,61 @@ def test_the_document_has_python_blocks_that_name_the_default_server(document):
         assert not re.search(r"^await\b", block.code, re.M), f"{block}: top-level await"
 
 
-@pytest.mark.parametrize("block", ALL_BLOCKS, ids=str)
-def test_block_runs_as_written(block: Block, readme_server: str, tmp_path):
-    code = NAME_LITERAL.sub(lambda m: f"{m[1]}{readme_server}{m[1]}", block.code)
-    script = tmp_path / "block.py"
-    script.write_text(code)
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_the_document_runs_top_to_bottom(document, tmp_path):
+    session = Session(str(tmp_path), random_name("bcshm-readme"),
+                      {port: str(_free_port()) for port in DOCUMENTED_PORTS})  # fmt: skip
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=BLOCK_TIMEOUT)  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{block} ran over {BLOCK_TIMEOUT} s:\n{block.code}\n{exc.stderr or ''}")
-    assert done.returncode == 0, f"{block} failed:\n{block.code}\n--- stderr:\n{done.stderr}"
+        for block in blocks(document):
+            session.run(block)
+    finally:
+        session.stop_all()
+        left = leftover_objects(session.name)
+        unlink_all(session.name)
+    assert left == [], f"the document's servers left {left} in /dev/shm"
+    check_outputs(document, tmp_path)
+    assert any(SERVE.search(command) for command in session.ran), "no server started: DOCUMENTS?"
+    reasons = {why for _, why in session.skipped}
+    assert reasons <= {why for _, why in SKIPS}
+    print("\n".join(f"skipped {where}: {why}" for where, why in session.skipped))
+    print("\n".join(f"{where}: {seconds:.1f} s" for where, seconds in session.timings))
+
+
+def check_outputs(document: str, folder) -> None:
+    """What the commands wrote, where curl's exit status alone would not tell (an HTTP error is
+    a body too): the last WAV of 100 tokens and the streamed one of 500."""
+    if document != "README.md":
+        return
+    with wave.open(str(folder / "out.wav")) as w:
+        assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (1, 16000, 100 * 320)
+    streamed = (folder / "stream.wav").read_bytes()
+    assert streamed[:4] == b"RIFF" and len(streamed) == 44 + 2 * 500 * 320
+
+
+def test_the_http_examples_stream_command_is_the_one_run_here():
+    """examples/http_tts/README.md shows the same streaming command the README's run covers."""
+    stream = [c for b in blocks("README.md") if b.language == "bash" for c in commands(b.code)
+              if "/v1/decode/stream" in c[0]]  # fmt: skip
+    example = [c for b in blocks("examples/http_tts/README.md") if b.language == "bash"
+               for c in commands(b.code) if "/v1/decode/stream" in c[0]]  # fmt: skip
+    assert len(stream) == 1 and example == stream
+    assert "ffplay" not in stream[0][0]
+
+
+def test_the_readme_skips_only_what_needs_the_network_or_a_gpu():
+    """The README's skipped command lines, named: adding one to this list is a decision."""
+    bash = [block for block in blocks("README.md") if block.language == "bash"]
+    chains = [chain for block in bash for chain in commands(block.code)]
+    skipped = [(" && ".join(chain), skip_reason(chain)) for chain in chains if skip_reason(chain)]
+    network, weights, gpu = SKIPS[0][1], SKIPS[2][1], SKIPS[3][1]
+    assert [why for _, why in skipped] == [
+        SKIPS[1][1],  # a fresh machine: venv, installs, then the demo (test_cli runs the demo)
+        network,  # the test extras, then the test suite
+        network,  # huggingface_hub
+        weights,  # hf download
+        gpu,  # serve --device cuda:0
+        weights,  # snapshot_download
+        network,  # the examples extra
+        gpu,  # a server group on cuda:0,cuda:1
+        network,  # the metrics extra
+    ], skipped

@@ -210,9 +210,11 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
     p.add_argument("--plot", default=None, metavar="PATH",
                    help=f"PNG (default {os.path.join(out_dir, 'bench_throughput.png')}); needs "
                         f"matplotlib, the [plot] extra: {PLOT_EXTRA}")  # fmt: skip
+    p.add_argument("--out-dir", default=out_dir, metavar="DIR",
+                   help=f"folder of the default JSON and PNG (default {out_dir}, relative to the "
+                        "current folder; the run prints the full path first)")  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(bench_out_dir=out_dir)
 
 
 def check_server_options(options: dict[str, Any]) -> None:
@@ -254,7 +256,7 @@ class Plan:
     requests per client when there is no window."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        out_dir = getattr(args, "bench_out_dir", os.path.join("benchmarks", "out"))
+        out_dir = getattr(args, "out_dir", None) or os.path.join("benchmarks", "out")
         if args.stand_in is not None and args.preset not in (None, STAND_IN):
             raise ValueError(f"--stand-in needs --model {STAND_IN}, got --model {args.preset}")
         preset = args.preset or (STAND_IN if args.stand_in else "tiny" if args.quick else "spark-tts-0.5b")
@@ -353,6 +355,9 @@ def run_and_report(args: argparse.Namespace) -> int:
     setup, ns = plan.setup, plan.ns
     grid = len(args.sweep_wait) * len(args.sweep_tokens)
     print(plan.describe(sweep=args.sweep, grid=grid), flush=True)
+    plot_path = "" if args.sweep or args.no_plot else f" and {os.path.abspath(args.plot)}"
+    print(f"results will be written to {os.path.abspath(args.json)}{plot_path} "
+          "(--out-dir, --json and --plot change that)", flush=True)  # fmt: skip
     print(f"OMP_WAIT_POLICY={args.omp_wait_policy} in every model process\n", flush=True)
     names: list[str] = []
     omp_before = os.environ.get("OMP_WAIT_POLICY")
@@ -431,7 +436,7 @@ def run_and_report(args: argparse.Namespace) -> int:
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2, default=_json_default)
         f.write("\n")
-    print(f"wrote {args.json}")
+    print(f"wrote {os.path.abspath(args.json)}")
     if not args.sweep and not args.no_plot:
         print(plot(results, args.plot))
     return 1 if failed or left else 0

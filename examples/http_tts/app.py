@@ -42,7 +42,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import struct
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -67,7 +69,14 @@ log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: our lines shar
 # A decode request holds at most the server's --max-tokens (1500 = 30 s) ids, ~8 KB of JSON; a
 # stream is cut into windows, so it may be longer: up to 10 minutes of audio.
 MAX_STREAM_TOKENS = 30_000
+STREAM_LIMIT = (
+    "ids this service streams in one request (its MAX_STREAM_TOKENS, 10 minutes of audio; the "
+    "decoder's --max-tokens does not limit a stream); split the utterance"
+)
 MAX_BODY_BYTES = 1 << 20
+# uvicorn's exit code for "this worker cannot start" (uvicorn.config.STARTUP_FAILURE): since 0.50
+# its multiprocess master stops when a worker exits with it, instead of restarting it forever.
+STARTUP_FAILURE = 3
 FIELDS = ("semantic_ids", "global_ids")
 STREAM_FIELDS = (*FIELDS, "preset")
 
@@ -82,12 +91,38 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
+        """The settings of the environment, checked: ``ConfigError`` names a bad variable."""
         env = os.environ
         return cls(
-            name=env.get("BICODEC_SHM_NAME", DEFAULT_NAME),
-            timeout=float(env.get("BICODEC_SHM_TIMEOUT", "30")),
-            client_slots=int(env.get("BICODEC_SHM_CLIENT_SLOTS", "8")),
+            name=_setting(env, "BICODEC_SHM_NAME", DEFAULT_NAME, validate_name),
+            timeout=_setting(env, "BICODEC_SHM_TIMEOUT", "30", _positive(float)),
+            client_slots=_setting(env, "BICODEC_SHM_CLIENT_SLOTS", "8", _positive(int)),
         )
+
+
+class ConfigError(ValueError):
+    """A setting of the environment is unusable: the worker cannot start."""
+
+
+def _setting(env: Any, variable: str, default: str, parse: Any) -> Any:
+    text = env.get(variable, default)
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise ConfigError(f"{variable}={text!r}: {exc}") from None
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"not a{'n' if kind is int else ''} {kind.__name__}") from None
+        if not value > 0:
+            raise ValueError("must be > 0")
+        return value
+
+    return parse
 
 
 class BadRequest(ValueError):
@@ -129,9 +164,12 @@ class _Decoder:
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
-    """The ASGI app; ``settings`` default to the environment's."""
+    """The ASGI app; ``settings`` default to the environment's (``ConfigError`` if unusable)."""
     settings = settings or Settings.from_env()
-    validate_name(settings.name)  # a bad BICODEC_SHM_NAME stops the worker, not every request
+    try:
+        validate_name(settings.name)  # a bad name stops the worker at start, not every request
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     decoder = _Decoder(settings)
 
     @asynccontextmanager
@@ -160,7 +198,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
             # Everything is checked before the 200 goes out: after that an error can only cut
             # the stream off.
             semantic = as_token_array(payload["semantic_ids"], what="semantic_ids",
-                                      vocab=SEMANTIC_VOCAB, max_len=MAX_STREAM_TOKENS)  # fmt: skip
+                                      vocab=SEMANTIC_VOCAB, max_len=MAX_STREAM_TOKENS,
+                                      limit=STREAM_LIMIT)  # fmt: skip
             preset = payload.get("preset", "default")
             if not isinstance(preset, str):
                 raise BadRequest(f"preset must be a string such as 'default', got {preset!r}")
@@ -283,4 +322,40 @@ def streaming_wav_header() -> bytes:
     )  # fmt: skip
 
 
-app = create_app()
+def app_from_env() -> Starlette:
+    """The app uvicorn imports. A bad setting ends this worker with uvicorn's STARTUP_FAILURE
+    exit code (3) after one log line, no traceback: uvicorn >= 0.50 then stops its master at
+    once, where any other failure would make it restart the worker forever (every worker would
+    fail the same way)."""
+    try:
+        return create_app()
+    except ConfigError as exc:
+        if _first_to_fail():
+            log.error("bicodec-shm HTTP example: bad setting %s", exc)
+            # Hold the claim while the other workers (started at the same moment) reach this
+            # point and exit silently; the first of them to exit makes the master stop us all.
+            time.sleep(CLAIM_HOLD_S)
+        raise SystemExit(STARTUP_FAILURE) from None
+
+
+CLAIM_HOLD_S = 2.0
+
+
+def _first_to_fail() -> bool:
+    """True in the first of the workers of one uvicorn master to get here: they all read the
+    same environment, so one line says it for all of them. The claim is an abstract Unix socket
+    name (Linux; no file to clean up) held until this worker exits."""
+    claim = socket.socket(socket.AF_UNIX)
+    try:
+        claim.bind(f"\0bicodec-shm-http-bad-setting-{os.getppid()}")
+    except OSError:
+        claim.close()
+        return False
+    _held.append(claim)
+    return True
+
+
+_held: list[socket.socket] = []
+
+
+app = app_from_env()

@@ -30,6 +30,7 @@ from .served import describe_served
 from .transport import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SLOTS,
+    DEFAULT_START_WAIT,
     MAGIC,
     MAX_SLOTS,
     Layout,
@@ -39,8 +40,10 @@ from .transport import (
     leftover_objects,
     probe,
     read_header,
-    stats_from_header,
+    release_name,
     remove_dead,
+    reserve_name,
+    stats_from_header,
     validate_name,
 )
 from .validation import as_utterance
@@ -271,9 +274,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         require_prometheus_client()
     check_free_space(Layout(args.slots, args.max_tokens).total_size)
     wait_for_name(args.name)
-    from .server import DecoderServer
+    # Own the name before the model loads: while it loads the name reads as "starting", so the
+    # clients of a server that just stopped (a rolling restart) wait for this one.
+    reserved = reserve_name(args.name, mode=args.mode, wait=DEFAULT_START_WAIT)
+    try:
+        from .server import DecoderServer
 
-    decoder = load_decoder(args)
+        decoder = load_decoder(args)
+    except BaseException:
+        release_name(reserved, args.name)
+        raise
     server = DecoderServer(
         decoder,
         args.name,
@@ -288,6 +298,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         mode=args.mode,
+        reserved=reserved,
     )
     print(f"bicodec-shm: serving on {args.name!r} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     server.serve_forever()

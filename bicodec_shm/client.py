@@ -33,7 +33,8 @@ import numpy as np
 from .attachment import SLICE, Attachment, Gone
 from .errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
 from .group import GroupRouter, read_group
-from .transport import N_GLOBAL, NO_BELL, ServerState, probe, served_names, stats_from_header, validate_name
+from .served import describe_served
+from .transport import N_GLOBAL, NO_BELL, ServerState, probe, stats_from_header, validate_name
 from .validation import as_token_array, output_dtype_code
 
 DEFAULT_TIMEOUT = 30.0
@@ -408,6 +409,5 @@ def _discard(future: asyncio.Future) -> None:
 
 
 def _served_hint(name: str) -> str:
-    """"; names served now: a, b" for an error about a name nobody serves (a typo, say)."""
-    names = [n for n in served_names() if n != name]
-    return f"; names served now: {', '.join(names[:10])}" if names else ""
+    """"; served now: 'a', 'b'" for an error about a name nobody serves (a typo, say)."""
+    return "; " + describe_served(exclude=name)

@@ -61,6 +61,7 @@ from .transport import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODE,
     DEFAULT_SLOTS,
+    DEFAULT_START_WAIT,
     DONE,
     FREE,
     HIST_BINS,
@@ -79,7 +80,6 @@ from .transport import (
 log = logging.getLogger("bicodec_shm.server")
 
 DEFAULT_REAP_INTERVAL = 0.25  # seconds; a dead client's slots come back within about this
-DEFAULT_START_WAIT = 30.0  # seconds to wait for a stopping predecessor (rolling restarts)
 # Lanes on CPU, from the sweep in benchmarks/RESULTS.md: on 2 cores two 1-thread lanes decode
 # 1.24x what one 2-thread decode does.
 DEFAULT_CPU_LANES = 2
@@ -121,6 +121,9 @@ class DecoderServer:
         metrics_port: serve Prometheus metrics on this TCP port (0: any free port; None: off).
             Needs the ``[metrics]`` extra (prometheus_client).
         metrics_host: the address the metrics endpoint binds to.
+        reserved: the name's lock descriptor from ``transport.reserve_name``, taken before
+            the model loaded; the segment is created on it (and it is released if creating
+            the segment fails).
     """
 
     # Class-level defaults keep close() safe after a failed __init__.
@@ -147,6 +150,7 @@ class DecoderServer:
         start_wait: float = DEFAULT_START_WAIT,
         metrics_port: int | None = None,
         metrics_host: str = "0.0.0.0",
+        reserved: int | None = None,
     ) -> None:
         validate_name(name)
         if max_batch < 1:
@@ -209,6 +213,7 @@ class DecoderServer:
             max_batch=max_batch,
             lanes=self.lanes,
             wait=start_wait,
+            reserved=reserved,
         )
         self.n_bells = slots
         self._segment.start_serving()

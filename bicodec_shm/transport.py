@@ -152,6 +152,7 @@ DEFAULT_MAX_TOKENS = 1500  # 30 s of audio
 DEFAULT_SLOTS = 64
 MAX_SLOTS = 4096
 DEFAULT_MODE = 0o600
+DEFAULT_START_WAIT = 30.0  # seconds a new server waits for one stopping under its name
 NO_BELL = 0xFFFFFFFF  # ``notify`` of a synchronous request: ring no bell
 # The ``free`` doorbell is posted on every give-back but taken only by claimers that wait:
 # without a bound its count would grow until sem_post fails with EOVERFLOW. A few posts are
@@ -440,6 +441,27 @@ def _unlink_segment(name: str) -> int:
         return 0
 
 
+def reserve_name(name: str, *, mode: int = DEFAULT_MODE, wait: float = 0.0) -> int:
+    """Own ``name`` now, before a model that takes seconds to load: returns the lock
+    descriptor to hand to ``Segment.create(reserved=...)`` (or to ``release_name``).
+
+    While reserved the name probes BUSY (its OWNER lock is held, SERVING is not), so clients
+    whose server just stopped keep waiting for this successor instead of giving up, and a
+    second would-be server waits or is refused. Waits up to ``wait`` seconds for a server
+    that is starting or stopping; raises ``ServerAlreadyRunningError`` for a live one."""
+    validate_name(name)
+    return _own_name(name, mode, time.monotonic() + wait)
+
+
+def release_name(fd: int, name: str) -> None:
+    """Give up a reservation that never became a segment (the model failed to load, say)."""
+    try:
+        if _same_inode(fd, name):
+            _unlink_segment(name)
+    finally:
+        close_lock_fd(fd)
+
+
 def remove_dead(name: str) -> int:
     """Unlink what a dead server (or group supervisor) left under ``name``; returns how many
     objects were removed. Raises ``ServerAlreadyRunningError`` if a live one owns the name.
@@ -490,15 +512,6 @@ def is_stopping(name: str) -> bool:
         return _stopping(fd)
     finally:
         os.close(fd)
-
-
-def served_names(directory: str = "/dev/shm") -> list[str]:
-    """The names a live server or server group serves now (for "did you mean" messages)."""
-    try:
-        entries = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    return [e for e in entries if _NAME_RE.match(e) and probe(e) is ServerState.SERVING]
 
 
 def unlink_all(name: str) -> int:
@@ -678,6 +691,7 @@ class Segment:
         max_batch: int = 0,
         lanes: int = 1,
         wait: float = 0.0,
+        reserved: int | None = None,
     ) -> Segment:
         """Own ``name`` exclusively and create a fresh segment and its semaphores under it.
 
@@ -694,7 +708,8 @@ class Segment:
             raise ValueError(f"max_tokens must be in 1..100000, got {max_tokens}")
         layout = Layout(n_slots, max_tokens)
         check_free_space(layout.total_size)
-        lock_fd = _own_name(name, mode, time.monotonic() + wait)
+        # The name: reserved earlier (``reserve_name``: held while the model loaded), or now.
+        lock_fd = reserved if reserved is not None else _own_name(name, mode, time.monotonic() + wait)
         try:
             _reserve(lock_fd, layout.total_size, name)
             os.fchmod(lock_fd, mode)  # the umask narrowed the mode given at creation

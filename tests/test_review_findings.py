@@ -485,7 +485,7 @@ def test_14_an_answered_client_s_next_request_is_not_left_for_the_reaper_tick(sh
 def test_15_group_totals_count_only_members_that_serve():
     member = {"requests": 5, "batches": 2, "failed": 0, "reclaimed": 0, "tokens": 50,
               "padded_tokens": 60, "slots": 4, "max_tokens": 100, "batch_size_histogram": {2: 2},
-              "avg_batch_time_ms": 1.0, "avg_queue_wait_ms": 1.0, "avg_latency_ms": 2.0}  # fmt: skip
+              "avg_batch_time_ms": 1.0, "avg_queue_wait_ms": 1.0, "avg_latency_ms": 2.0, "completed": 5}  # fmt: skip
     up = totals([member | {"server_alive": True}, member | {"server_alive": False}])
     assert up["members_up"] == 1 and up["requests"] == 5 and up["slots"] == 4
 

@@ -283,3 +283,14 @@ def test_stats_watch_survives_a_server_restart(thread_server, shm_name, monkeypa
     assert "new server" in note and "rates from its start" in note
     assert row.split()[-2:] == ["1", "alive"]  # the new server's total, not 3 + 1, nor -2
     assert float(row.split()[2]) > 0  # req/s of the interval: the new server's one request
+
+
+def test_max_batch_tokens_is_chosen_by_device_unless_given() -> None:
+    from bicodec_shm.cli import _parser
+
+    assert _parser().parse_args(["serve"]).max_batch_tokens == "auto"
+    assert _parser().parse_args(["serve", "--max-batch-tokens", "none"]).max_batch_tokens is None
+    assert _parser().parse_args(["serve", "--max-batch-tokens", "None"]).max_batch_tokens is None
+    assert _parser().parse_args(["serve", "--max-batch-tokens", "800"]).max_batch_tokens == 800
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--max-batch-tokens", "0"])

@@ -69,7 +69,9 @@ STEPS="${STEPS:-$ALL_STEPS}"
 # each starting CUDA and a model took most of the old 200 s step); a 60 s per-request timeout (a
 # hang should fail fast); the machine's RAM is 128 GiB but starts small and grows, so the memory
 # check is told so; no plot; no queue-server system, which the targets do not use.
-BENCH_FLAGS="${BENCH_FLAGS:---n 1,4,16,32 --window 5 --repeats 1 --timeout 60 --per-process-max-n 16 --memory-gib 120 --systems shm,limit,per-process --no-plot --no-progress}"
+DEFAULT_BENCH_FLAGS="--n 1,4,16,32 --window 5 --repeats 1 --timeout 60 --per-process-max-n 16"
+DEFAULT_BENCH_FLAGS+=" --memory-gib 120 --systems shm,limit,per-process --no-plot --no-progress"
+BENCH_FLAGS="${BENCH_FLAGS:-$DEFAULT_BENCH_FLAGS}"
 REQUIRED_MODULES="numpy posix_ipc safetensors yaml tqdm psutil pytest pytest_timeout"
 
 mkdir -p "$OUT_DIR" || exit 2

@@ -171,7 +171,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         f"again; stops once they have (default {DEFAULT_REJOIN_MS})")  # fmt: skip
     p.add_argument("--max-batch-tokens", type=_batch_tokens, default="auto",
                    help=f"padded-token budget per batch (rows x longest), or none; default "
-                        f"{DEFAULT_MAX_BATCH_TOKENS} on CPU, {DEFAULT_CUDA_MAX_BATCH_TOKENS} on CUDA")  # fmt: skip
+                        f"{DEFAULT_MAX_BATCH_TOKENS} on CPU, "
+                        f"{DEFAULT_CUDA_MAX_BATCH_TOKENS} on CUDA")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="longest request accepted, in tokens (1500 = 30 s)")  # fmt: skip
     p.add_argument("--min-fill", type=float, default=DEFAULT_MIN_FILL,

@@ -61,7 +61,8 @@ def wheel_of_installed(dist_name: str, folder: Path) -> Path:
     with zipfile.ZipFile(path, "w") as whl:
         for file in dist.files:
             rel = str(file)
-            if rel.startswith(info) and Path(rel).name in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json"):
+            installer_only = ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")
+            if rel.startswith(info) and Path(rel).name in installer_only:
                 continue
             data = Path(file.locate()).read_bytes()
             whl.writestr(rel, data)
@@ -151,7 +152,8 @@ def test_dry_run_runs_every_step_with_valid_flags(tmp_path) -> None:
     with tarfile.open(out / "device_check.tar.gz") as tar:
         archived = {Path(name).name for name in tar.getnames()}
     assert {f"{step}.log" for step in STEPS} <= archived
-    commands = {step: (scratch / f"{step}.log").read_text().removeprefix("DRY RUN: ").split() for step in STEPS}
+    commands = {step: (scratch / f"{step}.log").read_text().removeprefix("DRY RUN: ").split()
+                for step in STEPS}  # fmt: skip
     for dtype in ("float32", "bfloat16", "float16"):
         argv = commands[f"bench_model_{dtype}"]
         args = bench_model.build_parser().parse_args(argv[argv.index("benchmarks/bench_model.py") + 1 :])
@@ -171,7 +173,8 @@ def test_dry_run_runs_every_step_with_valid_flags(tmp_path) -> None:
 def test_the_gpu_marker_selects_the_cuda_tests_of_every_module() -> None:
     """What the gpu_tests step runs: every gpu-marked test under tests/, wherever it is."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "--collect-only", "-q",
+         "-p", "no:cacheprovider"],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

@@ -77,6 +77,8 @@ class Runner:
 
     def __init__(self, decoder: Any, device: torch.device) -> None:
         self.decoder = decoder
+        if device.type == "cuda" and device.index is None:  # "cuda": the current GPU, named
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.cuda = device.type == "cuda"
         # Two alternating sets for pipelined launches, and one for retries (see launch).

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bicodec_shm.model import BiCodecDecoder, modules  # noqa: E402
 from bicodec_shm.model.buckets import BucketGrid  # noqa: E402
-from bicodec_shm.model.devices import resolve_device  # noqa: E402
+from bicodec_shm.model.devices import exact_cuda_math, resolve_device  # noqa: E402
 from bicodec_shm.model.graphs import GraphedDecoder  # noqa: E402
 from bicodec_shm.model.precision import DTYPES, resolve_dtype, snr_db  # noqa: E402
 
@@ -407,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         batch_sizes, lengths, quality_lengths = args.batch_sizes, args.lengths, QUALITY_LENGTHS
     repeats = 1 if args.quick and args.repeats == 3 else args.repeats
-    if device.type == "cuda":  # as the server does: TF32 rounds differently per batch shape
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    if device.type == "cuda":  # the server's flags: no TF32, deterministic cuDNN
+        exact_cuda_math()
     dtypes = args.dtype if "float32" in args.dtype or args.no_quality else ("float32", *args.dtype)
     models = build_models(args.preset, device, dtypes)
     flops_model = models.get("float32") or models[dtypes[0]]

@@ -28,12 +28,26 @@ import numpy as np
 DEFAULT_MAX_BATCH = 16
 DEFAULT_MAX_WAIT_MS = 0.0
 DEFAULT_MAX_BATCH_TOKENS = 512
+# On a GPU a batch costs far less per row than on a CPU, up to the batch that fills the device,
+# and 512 tokens would cap a batch at 10 rows of 50 tokens, which a CUDA graph then pads to the
+# 16-row bucket (+60 % work). 2400 = 16 x 150 = 8 x 300: 16 chunks of up to 150 tokens fit, and
+# 300-token utterances batch 8 at a time, both exactly one bucket of buckets.py's grid. Larger
+# budgets form few larger batches on the bench's mix and hold chunks behind utterance batches:
+# at ~1.18 GFLOP per token (benchmarks/bench_model.py) a 2400-token batch is ~2.8 TFLOP, tens of
+# ms of float32 on an H100-class GPU (an estimate from FLOPs; benchmarks/device_check.sh
+# measures it).
+DEFAULT_CUDA_MAX_BATCH_TOKENS = 2400
 DEFAULT_MIN_FILL = 0.5
 # A free lane waits up to this long for the clients it has just answered to send their next
 # request. With a device-shaped decoder (benchmarks/RESULTS.md, N = 4 / 16) 2 ms took the
 # engine from 0.67 / 0.86 to 0.90 / 0.92 of the ideal batcher: without it, a client that
 # resubmits right after its answer misses the batch planned in the meantime.
 DEFAULT_REJOIN_MS = 2.0
+
+
+def default_max_batch_tokens(device_type: str) -> int:
+    """The padded-token budget for batches decoded on ``device_type`` ("cpu", "cuda", ...)."""
+    return DEFAULT_CUDA_MAX_BATCH_TOKENS if device_type == "cuda" else DEFAULT_MAX_BATCH_TOKENS
 
 
 def plan_batch(

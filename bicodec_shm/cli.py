@@ -18,6 +18,7 @@ import wave
 from collections.abc import Sequence
 
 from .batching import (
+    DEFAULT_CUDA_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_WAIT_MS,
@@ -186,8 +187,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rejoin-ms", type=float, default=DEFAULT_REJOIN_MS,
                    help="how long a free lane waits for the clients it just answered to send "
                         f"again; stops once they have (default {DEFAULT_REJOIN_MS})")  # fmt: skip
-    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
-                   help="padded-token budget per batch (rows x longest)")  # fmt: skip
+    p.add_argument("--max-batch-tokens", type=_batch_tokens, default="auto",
+                   help=f"padded-token budget per batch (rows x longest), or none; default "
+                        f"{DEFAULT_MAX_BATCH_TOKENS} on CPU, "
+                        f"{DEFAULT_CUDA_MAX_BATCH_TOKENS} on CUDA")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="longest request accepted, in tokens (1500 = 30 s)")  # fmt: skip
     p.add_argument("--min-fill", type=float, default=DEFAULT_MIN_FILL,
@@ -195,6 +198,19 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         f"longest (default {DEFAULT_MIN_FILL})")  # fmt: skip
     p.add_argument("--lanes", type=int, default=None,
                    help="decode lanes sharing the weights (default: 1 on CUDA, 2 on CPU)")  # fmt: skip
+
+
+def _batch_tokens(text: str) -> int | str | None:
+    """``--max-batch-tokens``: a positive integer, "none" (no budget) or "auto" (by device)."""
+    if text.lower() in ("auto", "none"):  # "None" too: str(None) from a caller's namespace
+        return None if text.lower() == "none" else "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count, 'none' or 'auto': {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _octal(text: str) -> int:
@@ -213,6 +229,7 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     import torch
 
     from .model import BiCodecDecoder
+    from .model.buckets import BucketGrid
     from .model.devices import resolve_device
     from .model.graphs import GraphedDecoder
 
@@ -234,7 +251,10 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
             )
         decoder = BiCodecDecoder.from_config(args.preset, seed=args.seed, dtype=dtype).to(device)
     if graphs:
-        decoder = GraphedDecoder(decoder, memory_gib=args.graph_memory_gib, mode="graphs")
+        # Buckets up to the batches this server forms: with max_batch 16 and the CUDA token
+        # budget (batching.py), 16 x 50 and 8 x 300 are buckets, so they replay unpadded.
+        grid = BucketGrid.for_max_batch(getattr(args, "max_batch", DEFAULT_MAX_BATCH))
+        decoder = GraphedDecoder(decoder, grid=grid, memory_gib=args.graph_memory_gib, mode="graphs")
     return decoder
 
 
@@ -315,7 +335,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         (args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}"),
         (args.max_wait_ms >= 0, f"--max-wait-ms must be >= 0, got {args.max_wait_ms}"),
         (args.rejoin_ms >= 0, f"--rejoin-ms must be >= 0, got {args.rejoin_ms}"),
-        (args.max_batch_tokens >= 1, f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}"),
+        (not isinstance(args.max_batch_tokens, int) or args.max_batch_tokens >= 1,
+         f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}"),
         (0.0 <= args.min_fill <= 1.0, f"--min-fill must be in [0, 1], got {args.min_fill}"),
         (args.lanes is None or 1 <= args.lanes <= 64, f"--lanes must be in 1..64, got {args.lanes}"),
         (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),

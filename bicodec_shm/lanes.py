@@ -9,9 +9,13 @@ runs it through the decoder, converts the audio to each row's output dtype *on t
   2-thread decode (see benchmarks/RESULTS.md). Each lane runs one batch at a time.
 - **CUDA**: one lane by default. It pipelines: it launches batch k, then publishes batch k-1
   (whose device-to-host copy into a pinned buffer an event guards) while k runs. Two pinned
-  buffers alternate so that k's copy never overwrites what k-1's publishing reads.
+  buffers alternate so that k's copy never overwrites what k-1's publishing reads. Each lane
+  thread makes the model's GPU its current device, and the event is recorded on that GPU's
+  current stream, the one the decode and the copy were queued on.
 - **Failures**: a batch that raises is split in halves and each half retried; a row that fails
-  alone gets DECODE_FAILED and everyone else their audio.
+  alone gets DECODE_FAILED and everyone else their audio. Retries are synchronous and copy into
+  a third pinned buffer of their own: a pipelined batch whose audio is not yet published keeps
+  its buffer whatever fails around it.
 """
 
 from __future__ import annotations
@@ -73,13 +77,23 @@ class Runner:
 
     def __init__(self, decoder: Any, device: torch.device) -> None:
         self.decoder = decoder
+        if device.type == "cuda" and device.index is None:  # "cuda": the current GPU, named
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.cuda = device.type == "cuda"
+        # Two alternating sets for pipelined launches, and one for retries (see launch).
         self._pinned: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
+        self._retry_pinned: dict[torch.dtype, torch.Tensor] = {}
         self._flip = 0
         self._scratch: dict[type, np.ndarray] = {}  # CPU conversion buffers, reused
 
-    def launch(self, batch: Batch) -> _InFlight:
+    def launch(self, batch: Batch, *, retry: bool = False) -> _InFlight:
+        """Queue ``batch``'s decode and its copy to the host; on CUDA nothing waits for the device.
+
+        ``retry``: a synchronous decode (waited for before the next launch), which copies into
+        the retry buffer and leaves the two pipelined buffers, and whatever batch they hold
+        unpublished, alone.
+        """
         t0 = time.perf_counter_ns()
         b, t = batch.semantic.shape
         n = t * HOP
@@ -112,12 +126,17 @@ class Runner:
             dev16 = torch.clamp(part, -1.0, 1.0).mul_(32767.0).to(torch.int16)
         if n16 < b:
             dev32 = out if n16 == 0 else out[torch.from_numpy(rows32).to(out.device)]
-        buffers = self._pinned[self._flip]
-        self._flip ^= 1
+        if retry:
+            buffers = self._retry_pinned
+        else:
+            buffers = self._pinned[self._flip]
+            self._flip ^= 1
         host16 = None if dev16 is None else self._to_pinned(buffers, dev16)
         host32 = None if dev32 is None else self._to_pinned(buffers, dev32)
+        # On the stream the copies were queued on: the model's GPU's current stream (a bare
+        # record() would use the current device's, which guards nothing on another GPU).
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event)
 
     def _to_int16(self, audio: np.ndarray) -> np.ndarray:
@@ -143,11 +162,17 @@ class Runner:
         """Start one non-blocking device-to-host copy of ``x`` into a reused pinned buffer."""
         buf = buffers.get(x.dtype)
         if buf is None or buf.numel() < x.numel():
-            buf = torch.empty(max(x.numel(), 1 << 20), dtype=x.dtype, pin_memory=True)
+            buf = self._alloc_pinned(max(x.numel(), 1 << 20), x.dtype)
             buffers[x.dtype] = buf
         view = buf[: x.numel()].view(x.shape)
         view.copy_(x, non_blocking=True)
         return view.numpy()
+
+
+    @staticmethod
+    def _alloc_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A page-locked host buffer (tests on a CPU-only torch replace this)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
 STOP = object()  # what ``take`` returns once the server is stopping
@@ -196,6 +221,10 @@ class Lane:
         """Take, decode and publish batches until the server stops (in the calling thread)."""
         if self.threads:
             torch.set_num_threads(self.threads)  # per thread: this lane's share of the cores
+        if self.runner.cuda:
+            # The current device is per thread: the decode's kernels, its copies, and the event
+            # that guards them then all use the model's GPU and its current stream.
+            torch.cuda.set_device(self.runner.device)
         with torch.inference_mode():
             if self.pipeline:
                 self._run_pipelined()
@@ -217,6 +246,9 @@ class Lane:
                 try:
                     current = self.runner.launch(batch)
                 except Exception:
+                    if prev is not None:  # publish k-1 first: its audio sits in a pinned buffer
+                        self._complete(prev)
+                        prev = None
                     self._decode_and_release(batch)  # split and retry, run to the end now
             if prev is not None:
                 self._complete(prev)
@@ -253,7 +285,7 @@ class Lane:
     def _decode(self, batch: Batch) -> None:
         """Run, publish; on failure split in halves and retry each (recursively)."""
         try:
-            inflight = self.runner.launch(batch)
+            inflight = self.runner.launch(batch, retry=True)  # waited for at once
             decoded = inflight.wait()
         except Exception as exc:  # any model failure must fail requests, not the server
             _release_accelerator_memory(self.runner.device)

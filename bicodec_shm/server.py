@@ -42,14 +42,15 @@ import torch
 
 from .batching import (
     DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_WAIT_MS,
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
+    default_max_batch_tokens,
     plan_batch,
 )
 from .errors import BiCodecShmError, ServerUnavailableError
 from .lanes import STOP, Decoded, Lane, Runner
+from .model.devices import exact_cuda_math
 from .processes import on_stop_signals
 from .slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
 from .transport import (
@@ -110,7 +111,8 @@ class DecoderServer:
         max_wait_ms: how long a batch may wait to grow once a lane is free (0: go at once).
         rejoin_ms: how long a free lane waits for the clients it has just answered to send their
             next request (it stops as soon as they have; 0: never waits).
-        max_batch_tokens: padded-token budget per batch (rows x longest length), or None.
+        max_batch_tokens: padded-token budget per batch (rows x longest length), or None;
+            "auto": 512 on CPU, 2400 on CUDA (batching.py says why).
         min_fill: a row joins a batch only if the batch's shortest row stays at least this
             share of its longest (0: no bound).
         max_tokens: longest request accepted (1500 tokens = 30 s).
@@ -141,7 +143,7 @@ class DecoderServer:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
         rejoin_ms: float = DEFAULT_REJOIN_MS,
-        max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
+        max_batch_tokens: int | None | str = "auto",
         min_fill: float = DEFAULT_MIN_FILL,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         mode: int = DEFAULT_MODE,
@@ -153,6 +155,8 @@ class DecoderServer:
         reserved: int | None = None,
     ) -> None:
         validate_name(name)
+        if max_batch_tokens == "auto":
+            max_batch_tokens = default_max_batch_tokens(_device_of(decoder).type)
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_ms < 0:
@@ -176,10 +180,7 @@ class DecoderServer:
         self.device = _device_of(decoder)
         cuda = self.device.type == "cuda"
         if cuda:
-            # cuDNN convolutions default to TF32, whose rounding differs between batch shapes:
-            # batched rows would no longer equal their lone decodes to float32 precision.
-            torch.backends.cudnn.allow_tf32 = False
-            torch.backends.cuda.matmul.allow_tf32 = False
+            exact_cuda_math()  # no TF32, deterministic cuDNN: batched rows stay exact
         self.lanes = lanes or (1 if cuda else min(DEFAULT_CPU_LANES, torch.get_num_threads()))
         # Each CPU lane gets its share of the cores; on CUDA the host threads only launch.
         self.threads_per_lane = None if cuda else max(1, torch.get_num_threads() // self.lanes)

@@ -3,7 +3,8 @@
 ``bicodec-shm serve --device cuda:0,cuda:1 --name N`` runs this instead of a server. It owns the
 group object ``/dev/shm/N`` (group.py) and starts member ``K`` as ``bicodec-shm serve`` with
 every option of its own command line, then ``--device D_K --name N.K`` (argparse keeps the last
-value of an option). Then:
+value of an option); a CUDA member gets ``--device cuda:0`` and ``CUDA_VISIBLE_DEVICES`` naming
+its own GPU (:func:`member_device`). Then:
 
 - When every member has served once, the group takes its SERVING lock: clients see it.
 - A member that dies is restarted after a backoff that doubles (0.5 s, 1 s, ... up to 30 s)
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import MAX_MEMBERS, GroupObject, member_names, validate_group_name
@@ -62,10 +63,36 @@ def parse_devices(text: str) -> list[str]:
     return devices
 
 
+def member_device(device: str, visible: str | None) -> tuple[str, dict[str, str]]:
+    """The device a member is started with, and the environment it needs for it.
+
+    A CUDA member sees only its own GPU: ``cuda:K`` becomes ``cuda:0`` with
+    ``CUDA_VISIBLE_DEVICES`` set to the K-th GPU the supervisor sees (``visible``, its own
+    ``CUDA_VISIBLE_DEVICES``, or GPU K when that is unset). So the member's current device *is*
+    its model's device: every stream, event and pinned copy of the lanes lands on that GPU, and
+    no member creates a CUDA context on GPU 0 (~500 MiB each). Other devices are unchanged.
+
+    Raises:
+        ValueError: ``cuda:K`` past the GPUs that ``CUDA_VISIBLE_DEVICES`` lists.
+    """
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return device, {}
+    k = int(index) if index else 0
+    if visible is None:
+        return "cuda:0", {"CUDA_VISIBLE_DEVICES": str(k)}
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if k >= len(listed):
+        raise ValueError(f"device {device!r}: CUDA_VISIBLE_DEVICES={visible!r} makes only "
+                         f"{len(listed)} GPU(s) visible, cuda:0 to cuda:{len(listed) - 1}")  # fmt: skip
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": listed[k]}
+
+
 def member_command(argv: Sequence[str], name: str, device: str, *,
                    metrics_port: int | None = None) -> list[str]:  # fmt: skip
     """The command line of one member: the supervisor's ``serve`` arguments ``argv``, then the
-    member's own device, name and metrics port, which win (argparse keeps the last value)."""
+    member's own device, name and metrics port, which win (argparse keeps the last value).
+    ``device`` is what the member process opens (see :func:`member_device`)."""
     command = [sys.executable, "-m", "bicodec_shm", *argv, "--device", device, "--name", name]
     if metrics_port is not None:
         command += ["--metrics-port", str(metrics_port)]
@@ -76,13 +103,17 @@ def serve_group(name: str, devices: Sequence[str], argv: Sequence[str], *, mode:
                 metrics_port: int | None = None) -> int:  # fmt: skip
     """``bicodec-shm serve`` with several devices: supervise one member per device until
     SIGTERM/SIGINT. ``argv`` is the ``serve`` command line (from "serve" on). Member K serves
-    metrics on ``metrics_port + K`` (or on any free port if ``metrics_port`` is 0)."""
+    metrics on ``metrics_port + K`` (or on any free port if ``metrics_port`` is 0); a CUDA
+    member sees only its own GPU, as ``cuda:0`` (:func:`member_device`)."""
     validate_group_name(name)
-    commands = []
+    commands, envs = [], []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     for i, (member, device) in enumerate(zip(member_names(name, len(devices)), devices)):
         port = None if metrics_port is None else metrics_port + i if metrics_port else 0
-        commands.append(member_command(argv, member, device, metrics_port=port))
-    return Supervisor(name, devices, commands, mode=mode).run()
+        opened, env = member_device(device, visible)
+        commands.append(member_command(argv, member, opened, metrics_port=port))
+        envs.append(env)
+    return Supervisor(name, devices, commands, mode=mode, envs=envs).run()
 
 
 @dataclass
@@ -93,6 +124,7 @@ class Member:
     name: str
     device: str
     command: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the supervisor's
     proc: subprocess.Popen | None = None
     started: float = 0.0  # monotonic start of the current process
     serving: bool = False  # the current process has served
@@ -113,6 +145,7 @@ class Supervisor:
         name: the group's name; members are ``name.0``, ``name.1``, ...
         devices: one device per member (informational: each command names its own).
         commands: the command line of each member.
+        envs: environment variables of each member, on top of the supervisor's (None: none).
         mode: permission bits of the group object.
         start_wait: seconds to wait for a group or server that is stopping under ``name``.
         stop_timeout: seconds members get to stop after the signal before SIGKILL.
@@ -120,16 +153,21 @@ class Supervisor:
 
     def __init__(self, name: str, devices: Sequence[str], commands: Sequence[list[str]], *,
                  mode: int = DEFAULT_MODE, start_wait: float = DEFAULT_START_WAIT,
-                 stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> None:  # fmt: skip
+                 stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+                 envs: Sequence[dict[str, str]] | None = None) -> None:  # fmt: skip
         validate_group_name(name)
         if len(devices) != len(commands) or not devices:
             raise ValueError("a group needs one command per device, and at least one device")
+        envs = envs if envs is not None else [{} for _ in devices]
+        if len(envs) != len(devices):
+            raise ValueError("a group needs one environment per device (or none at all)")
         self.name = name
         self.mode = mode
         self.start_wait = start_wait
         self.stop_timeout = stop_timeout
         names = member_names(name, len(devices))
-        self.members = [Member(i, names[i], devices[i], list(commands[i])) for i in range(len(devices))]
+        self.members = [Member(i, names[i], devices[i], list(commands[i]), dict(envs[i]))
+                         for i in range(len(devices))]  # fmt: skip
         self._signal: int | None = None  # the stop signal received, if any
         self._group: GroupObject | None = None
 
@@ -197,7 +235,8 @@ class Supervisor:
         return 0
 
     def _start(self, m: Member) -> None:
-        m.proc = subprocess.Popen(m.command, stdin=subprocess.DEVNULL,
+        env = {**os.environ, **m.env} if m.env else None
+        m.proc = subprocess.Popen(m.command, stdin=subprocess.DEVNULL, env=env,
                                   preexec_fn=_die_with_parent())  # fmt: skip
         m.started = time.monotonic()
         m.serving = False

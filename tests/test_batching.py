@@ -75,3 +75,21 @@ def test_random_ready_sets_always_satisfy_the_invariants():
             if budget is not None:
                 assert len(batch) * chosen.max() <= budget
             assert chosen.min() >= fill * chosen.max()
+
+
+def test_cuda_defaults_form_16_x_50_and_8_x_300_batches_that_are_buckets() -> None:
+    """On a GPU the default budget lets 16 rows of 50 tokens form one batch (512 capped it at
+    10, which a CUDA graph pads to 16 rows), and the server's grid has that batch's shape."""
+    from bicodec_shm.batching import DEFAULT_MAX_BATCH, default_max_batch_tokens
+    from bicodec_shm.model.buckets import Bucket, BucketGrid
+
+    budget = default_max_batch_tokens("cuda")
+    assert default_max_batch_tokens("cpu") == 512
+    grid = BucketGrid.for_max_batch(DEFAULT_MAX_BATCH)
+    assert grid.batch_sizes == (1, 2, 4, 8, 16)
+    assert BucketGrid.for_max_batch(12).batch_sizes == (1, 2, 4, 8, 12)
+    for length, rows in ((50, 16), (150, 16), (300, 8)):
+        picked = _plan([length] * 20, max_batch=DEFAULT_MAX_BATCH, max_batch_tokens=budget)
+        assert len(picked) == rows, length
+        assert grid.choose(rows, length) == Bucket(rows, length)
+    assert len(_plan([50] * 20, max_batch=DEFAULT_MAX_BATCH, max_batch_tokens=512)) == 10

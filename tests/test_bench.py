@@ -489,3 +489,75 @@ def test_sweep_summary_takes_medians_and_marks_the_best():
     assert summary[0]["audio_s_per_s"] == 2.0 and summary[0]["latency_p99_ms"] == 800
     lines = reporting.format_sweep(results).splitlines()
     assert "best throughput" in lines[2] and "best p99" in lines[3]
+
+
+# -- the lent GPU machine's needs (benchmarks/device_check.sh) ----------------------------------
+
+
+def test_per_process_memory_check_takes_the_machines_memory_and_a_max_n(monkeypatch):
+    """A VM whose memory grows on use reports little available at first: --memory-gib says
+    what it has. --per-process-max-n drops the decoder per process above an N."""
+    setup = config.Setup(preset="spark-tts-0.5b", seed=0, mix=workload.parse_mix("25-50"), cores=16,
+                         policy=config.Policy(), sample_interval=0.05, timeout=60, window=1.0)  # fmt: skip
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: argparse.Namespace(available=2 * 2**30))
+    assert "2.0 GiB available" in orchestrate._memory_ok(setup, 16)
+    grown = config.Setup(**{**setup.__dict__, "memory_gib": 120.0, "per_process_max_n": 16})
+    assert orchestrate._memory_ok(grown, 16) == ""
+    assert orchestrate._memory_ok(grown, 32) == "skipped: --per-process-max-n 16"
+    small = config.Setup(**{**setup.__dict__, "memory_gib": 8.0})
+    assert "8.0 GiB given (--memory-gib)" in orchestrate._memory_ok(small, 16)
+
+
+@pytest.mark.timeout(300)
+def test_partial_results_are_saved_after_every_run(tmp_path, monkeypatch):
+    """A step cut by its timeout must still leave the runs that ended: the JSON is rewritten
+    after each system's run, marked partial until the last."""
+    out = tmp_path / "bench.json"
+    writes = []
+    real_write = cli._write_json
+    monkeypatch.setattr(cli, "_write_json", lambda path, report: (writes.append(dict(report)),
+                                                                   real_write(path, report)))  # fmt: skip
+    code = bench.main(["--model", "stand-in", "--stand-in", "2,0.01", "--systems", "shm,per-process",
+                       "--n", "2", "--window", "0.3", "--repeats", "1", "--per-process-max-n", "1",
+                       "--memory-gib", "64", "--no-progress", "--no-plot", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    partial = [w for w in writes if w.get("partial")]
+    assert [[r["system"] for r in w["results"]] for w in partial] == [
+        [config.SHM], [config.SHM, config.PER_PROCESS]]  # fmt: skip
+    assert partial[-1]["results"][1]["note"] == "skipped: --per-process-max-n 1"
+    final = json.loads(out.read_text())
+    assert "partial" not in final and len(final["results"]) == 3  # + the ideal batcher
+    assert _live_children() == []
+
+
+def test_every_benchmark_system_loads_its_model_with_the_servers_cuda_math(monkeypatch):
+    """The limit, per-process and queue systems build their models in _load_model, as the
+    bicodec-shm server's process does: on CUDA each gets exact_cuda_math (no TF32), not
+    cuDNN's TF32 default, which would make every ratio against them spuriously low."""
+    import torch
+
+    from bicodec_shm.bench import workers
+    from bicodec_shm.model import BiCodecDecoder
+    from bicodec_shm.model.devices import uses_exact_cuda_math
+
+    class Stub:
+        def to(self, device):
+            self.device = device
+            return self
+
+        def detokenize(self, *args):
+            return None
+
+    monkeypatch.setattr(BiCodecDecoder, "from_config", classmethod(lambda cls, *a, **k: Stub()))
+    monkeypatch.setenv(workers.DEVICE_ENV, "cuda:0")
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        assert not uses_exact_cuda_math()
+        model = workers._load_model(config.ModelSpec("tiny"), threads=torch.get_num_threads())
+        assert model.device == torch.device("cuda:0")
+        assert uses_exact_cuda_math()
+    finally:
+        (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved

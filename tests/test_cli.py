@@ -389,3 +389,14 @@ def test_bench_names_where_it_writes(tmp_path):
     default = p.parse_args(["--quick"])
     Plan(default)
     assert default.json == os.path.join("benchmarks", "out", "bench_throughput.json")
+
+
+def test_max_batch_tokens_is_chosen_by_device_unless_given() -> None:
+    from bicodec_shm.cli import _parser
+
+    assert _parser().parse_args(["serve"]).max_batch_tokens == "auto"
+    assert _parser().parse_args(["serve", "--max-batch-tokens", "none"]).max_batch_tokens is None
+    assert _parser().parse_args(["serve", "--max-batch-tokens", "None"]).max_batch_tokens is None
+    assert _parser().parse_args(["serve", "--max-batch-tokens", "800"]).max_batch_tokens == 800
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--max-batch-tokens", "0"])

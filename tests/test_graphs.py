@@ -26,6 +26,7 @@ from bicodec_shm.model.buckets import (
     PaddingCost,
     padding_cost,
 )
+from bicodec_shm.model.devices import exact_cuda_math
 from bicodec_shm.model.graphs import GraphedDecoder, StaticBucket, StaticTimeMask
 from bicodec_shm.model.modules import TimeMask
 
@@ -242,6 +243,31 @@ def test_server_serves_through_the_padded_wrapper(thread_server, shm_name) -> No
 # --- the eager fallback -----------------------------------------------------------------------
 
 
+def test_two_threads_sharing_the_static_buckets_each_get_their_own_audio() -> None:
+    """Two server lanes on one GraphedDecoder (--cuda-graphs --lanes 2) share every bucket's
+    static inputs and output: load + run + clone must be one step, or a lane decodes (or
+    clones) the other's batch. Padded mode runs the same steps eagerly on CPU."""
+    import threading
+
+    model = reference_model()
+    padded = GraphedDecoder(model, grid=BucketGrid((2,), (16,)), mode="padded")
+    batches = [random_batch(2, 16, seed) for seed in (1, 2)]
+    expected = [model.detokenize(*b) for b in batches]
+    wrong: list[int] = []
+
+    def hammer(k: int) -> None:
+        for _ in range(15):
+            if not torch.equal(padded.detokenize(*batches[k]), expected[k]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert wrong == []
+
+
 def test_without_cuda_auto_mode_is_the_plain_decoder() -> None:
     model = reference_model()
     wrapped = GraphedDecoder(model, grid=SMALL)
@@ -300,7 +326,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def full_cuda() -> BiCodecDecoder:
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    exact_cuda_math()  # the server's flags: bit-for-bit comparisons need deterministic cuDNN
     return BiCodecDecoder.from_config("spark-tts-0.5b", seed=0).to("cuda")
 
 
@@ -311,7 +337,7 @@ GPU_GRID = BucketGrid((1, 4), (25, 50))
 @cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_equal_eager_byte_for_byte_where_shapes_match(dtype, record_property) -> None:
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    exact_cuda_math()
     model = BiCodecDecoder.from_config("spark-tts-0.5b", seed=0, dtype=dtype).to("cuda")
     graphed = GraphedDecoder(model, grid=GPU_GRID, mode="graphs")
     padded = GraphedDecoder(model, grid=GPU_GRID, mode="padded")
@@ -382,3 +408,99 @@ def test_cuda_graph_memory_budget(full_cuda, caplog, record_property) -> None:
     assert Bucket(4, 50) in some.skipped and Bucket(4, 50) not in some.buckets
     assert sorted(some.skipped + list(some.buckets)) == sorted(GPU_GRID.buckets())
     record_property("activation_mib_4x50_float32", round(need / 2**20, 1))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_two_lanes_share_the_graphs_and_each_row_gets_its_own_audio(full_cuda) -> None:
+    """--cuda-graphs --lanes 2: two threads replay the same buckets; the lock keeps each
+    thread's load + replay + clone together."""
+    import threading
+
+    graphed = GraphedDecoder(full_cuda, grid=GPU_GRID, mode="graphs")
+    batches = [random_batch(4, 50, seed) for seed in (21, 22)]
+    expected = [graphed.detokenize(*b) for b in batches]
+    wrong: list[int] = []
+
+    def hammer(k: int) -> None:
+        torch.cuda.set_device(full_cuda.device)
+        for _ in range(30):
+            if not torch.equal(graphed.detokenize(*batches[k]), expected[k]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert wrong == []
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_eager_decode_of_host_inputs_queues_without_waiting(full_cuda) -> None:
+    """detokenize stages host inputs in pinned memory and copies them without blocking: a
+    pageable copy would wait for the stream, and the lane could not launch batch k while k-1
+    runs."""
+    semantic, glob, lengths = random_batch(3, 30, seed=4)
+    full_cuda.detokenize(semantic, glob, lengths)  # lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        audio = full_cuda.detokenize(semantic, glob, lengths)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(audio, full_cuda.detokenize(semantic, glob, lengths))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_pipelined_lane_publishes_the_decodes_its_event_guards(full_cuda) -> None:
+    """The real Runner on the GPU: a batch's host copy, read after its event, is the decode
+    (the event is recorded on the model's stream, after the copy)."""
+    from bicodec_shm.lanes import Runner
+    from bicodec_shm.slot_io import Batch, Requests
+
+    runner = Runner(full_cuda, full_cuda.device)
+    launched = []
+    for seed in (31, 32, 33):
+        semantic, glob, lengths = random_batch(4, 50, seed)
+        order = torch.argsort(lengths, descending=True)
+        semantic, glob, lengths = semantic[order], glob[order], lengths[order]
+        n = len(lengths)
+        requests = Requests(np.arange(n, dtype=np.int64), lengths.numpy().astype(np.int64),
+                            np.zeros(n, np.uint64), np.zeros(n, np.uint32), np.zeros(n, np.uint32),
+                            np.zeros(n, np.uint64))  # fmt: skip
+        batch = Batch(requests, semantic.numpy(), glob.numpy(), 0)
+        launched.append((runner.launch(batch, retry=len(launched) == 2), semantic, glob, lengths))
+    for inflight, semantic, glob, lengths in launched:
+        decoded = inflight.wait()
+        want = full_cuda.detokenize(semantic, glob, lengths)
+        want16 = (torch.clamp(want, -1, 1) * 32767).to(torch.int16).cpu().numpy()
+        for row, pcm in zip(decoded.rows16, decoded.pcm16):
+            np.testing.assert_array_equal(pcm, want16[row, : pcm.shape[0]])
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_cuda_a_runner_on_the_second_gpu_guards_its_copy_with_that_gpus_event() -> None:
+    """With GPU 0 current (a thread that never set its device), the event must still be on
+    cuda:1's stream: the host copy read after it equals the decode."""
+    from bicodec_shm.lanes import Runner
+    from bicodec_shm.slot_io import Batch, Requests
+
+    exact_cuda_math()
+    model = BiCodecDecoder.from_config("spark-tts-0.5b", seed=0).to("cuda:1")
+    runner = Runner(model, model.device)
+    semantic, glob, _ = random_batch(8, 100, seed=3)
+    n = len(semantic)
+    requests = Requests(np.arange(n, dtype=np.int64), np.full(n, 100, np.int64), np.zeros(n, np.uint64),
+                        np.zeros(n, np.uint32), np.zeros(n, np.uint32), np.zeros(n, np.uint64))  # fmt: skip
+    torch.cuda.set_device(0)
+    inflight = runner.launch(Batch(requests, semantic.numpy(), glob.numpy(), 0))
+    got = inflight.wait().pcm16.copy()
+    want = (torch.clamp(model.detokenize(semantic, glob), -1, 1) * 32767).to(torch.int16).cpu().numpy()
+    np.testing.assert_array_equal(got, want)

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from bicodec_shm import cli, processes
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import ClientClosedError, ServerAlreadyRunningError, ServerUnavailableError
 from bicodec_shm.group import GroupObject, member_names, read_group
-from bicodec_shm.supervisor import member_command, parse_devices
+from bicodec_shm.supervisor import Supervisor, member_command, member_device, parse_devices
 from bicodec_shm.transport import (
     ServerState,
     leftover_objects,
@@ -377,8 +378,35 @@ def test_device_lists_and_member_commands():
     with pytest.raises(ValueError, match="empty entry"):
         parse_devices("cuda:0,")
     argv = ["serve", "--device", "cuda:0,cuda:1", "--name", "tts", "--slots", "32"]
-    command = member_command(argv, "tts.1", "cuda:1", metrics_port=9101)
+    command = member_command(argv, "tts.1", "cuda:0", metrics_port=9101)
     args = cli._parser().parse_args(command[3:])
-    assert (args.device, args.name, args.slots, args.metrics_port) == ("cuda:1", "tts.1", 32, 9101)
+    assert (args.device, args.name, args.slots, args.metrics_port) == ("cuda:0", "tts.1", 32, 9101)
     with pytest.raises(ValueError, match="member suffix"):
         GroupObject.create("tts.1", ["cpu"])
+
+
+def test_a_cuda_member_sees_only_its_own_gpu_as_cuda_0():
+    """cuda:K runs as cuda:0 with CUDA_VISIBLE_DEVICES naming GPU K (of the supervisor's own
+    list when it has one): the member's current device is its model's, and it opens no context
+    on another GPU."""
+    assert member_device("cuda:1", None) == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "1"})
+    assert member_device("cuda", None) == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "0"})
+    assert member_device("cuda:1", "3, 5") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "5"})
+    assert member_device("cuda:0", "GPU-1a2b") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "GPU-1a2b"})
+    assert member_device("cpu", "0") == ("cpu", {})
+    with pytest.raises(ValueError, match="only 2 GPU"):
+        member_device("cuda:2", "0,1")
+
+
+def test_the_supervisor_starts_each_member_with_its_environment(tmp_path):
+    """The environment reaches the member process (a stand-in command that prints it)."""
+    out = tmp_path / "env.txt"
+    code = f"import os; open({str(out)!r}, 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', '-'))"
+    sup = Supervisor(random_name("sup"), ["cuda:1"], [[sys.executable, "-c", code]],
+                     envs=[{"CUDA_VISIBLE_DEVICES": "1"}])  # fmt: skip
+    member = sup.members[0]
+    sup._start(member)
+    assert member.proc.wait(60) == 0
+    assert out.read_text() == "1"
+    with pytest.raises(ValueError, match="one environment per device"):
+        Supervisor(random_name("sup"), ["cpu"], [["true"]], envs=[])

@@ -15,6 +15,7 @@ from torch import nn
 from bicodec_shm.cli import _parser, load_decoder
 from bicodec_shm.model import BiCodecDecoder
 from bicodec_shm.model.modules import AdaLayerNorm, Snake1d
+from bicodec_shm.model.devices import exact_cuda_math, uses_exact_cuda_math
 from bicodec_shm.model.precision import DTYPES, apply_dtype, resolve_dtype, snr_db
 
 HOP = 320
@@ -240,13 +241,26 @@ def test_from_pretrained_takes_a_dtype(tiny32: BiCodecDecoder, tmp_path) -> None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+FLAGS = ("cudnn.allow_tf32", "cuda.matmul.allow_tf32", "cudnn.deterministic", "cudnn.benchmark")
+
+
+def _flag(name: str):
+    module, attr = name.rsplit(".", 1)
+    owner = torch.backends
+    for part in module.split("."):
+        owner = getattr(owner, part)
+    return owner, attr
+
+
 @pytest.fixture
 def no_tf32():
-    """TF32 off, as the server sets it: float32 must be exact under batching."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    """The server's CUDA math (exact_cuda_math: no TF32, deterministic cuDNN): float32 must be
+    exact under batching, and a shape must decode to the same bits every time."""
+    saved = {name: getattr(*_flag(name)) for name in FLAGS}
+    exact_cuda_math()
     yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    for name, value in saved.items():
+        setattr(*_flag(name), value)
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +298,15 @@ def test_cuda_reduced_precision_against_float32(no_tf32, full_cuda, name: str, r
     assert snr >= MIN_SNR_DB[name], f"{name}: {snr:.1f} dB against float32"
     # Batching may pick other kernels, so rows move by this dtype's rounding, not more.
     assert lone_snr >= MIN_SNR_DB[name], f"{name}: batched vs lone {lone_snr:.1f} dB"
+
+
+def test_exact_cuda_math_turns_tf32_off_and_cudnn_deterministic(no_tf32) -> None:
+    """The flags every CUDA decode here runs with (server, graphs, every bench system); they
+    are process-wide and settable on a CPU-only torch, where they do nothing."""
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.deterministic = False
+    assert not uses_exact_cuda_math()
+    exact_cuda_math()
+    assert uses_exact_cuda_math()
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark

@@ -31,6 +31,7 @@ def test_every_interleaving_keeps_the_invariants(bounds):
 
 
 @pytest.mark.skipif(not os.environ.get("BICODEC_SHM_MODEL_FULL"), reason="minutes: set BICODEC_SHM_MODEL_FULL=1")
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("bounds", FULL, ids=repr)
 def test_every_interleaving_keeps_the_invariants_at_larger_bounds(bounds):
     assert explore(bounds, limit=20_000_000) > 1000

@@ -72,7 +72,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from ..batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
+from ..batching import (
+    DEFAULT_CUDA_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_WAIT_MS,
+    default_max_batch_tokens,
+)
 from ..transport import leftover_objects, unlink_all
 from .config import (
     DEFAULT_NS,
@@ -183,7 +189,14 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                    help="CPU cores to share out (default: those this process may use)")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
     p.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS)
-    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS)
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help=f"padded-token budget per batch (default {DEFAULT_MAX_BATCH_TOKENS} on CPU, "
+                        f"{DEFAULT_CUDA_MAX_BATCH_TOKENS} on CUDA)")  # fmt: skip
+    p.add_argument("--per-process-max-n", type=int, default=None, metavar="N",
+                   help="run the decoder per process only at N <= this (default: every N)")
+    p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
+                   help="memory this machine has for decoder-per-process runs (default: what is "
+                        "available now; a VM whose memory grows on use reports too little)")  # fmt: skip
     p.add_argument("--server-arg", type=parse_server_arg, action="append", default=[],
                    metavar="KEY=VALUE",
                    help="an extra DecoderServer keyword for bicodec-shm, e.g. lanes=2 "
@@ -292,11 +305,19 @@ class Plan:
             raise ValueError("--systems: limit replays the batches of shm; include shm")
         variants = shm_variants(args.server_arg, args.lanes)
         check_server_options({k: v for variant in variants for k, v in variant.server_options.items()})
+        if args.per_process_max_n is not None and args.per_process_max_n < 1:
+            raise ValueError(f"--per-process-max-n must be >= 1, got {args.per_process_max_n}")
+        if args.memory_gib is not None and args.memory_gib <= 0:
+            raise ValueError(f"--memory-gib must be > 0, got {args.memory_gib:g}")
+        budget = args.max_batch_tokens
+        if budget is None:
+            budget = default_max_batch_tokens(args.device.split(":")[0])
         self.setup = Setup(
             preset=preset, seed=args.seed, mix=parse_mix(args.mix), cores=args.cores or _cores(),
-            policy=Policy(args.max_batch, args.max_wait_ms, args.max_batch_tokens),
+            policy=Policy(args.max_batch, args.max_wait_ms, budget),
             sample_interval=args.sample_ms / 1000, timeout=args.timeout, window=window,
             stand_in_ms=args.stand_in or (DEFAULT_A_MS, DEFAULT_B_MS), shm=variants,
+            per_process_max_n=args.per_process_max_n, memory_gib=args.memory_gib,
         )  # fmt: skip
         self.ns: tuple[int, ...] = tuple(ns)
         self.systems = systems
@@ -369,6 +390,13 @@ def run_and_report(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
+
+    def save_partial(done: list) -> None:
+        """The runs so far, so that a run cut short (a step's timeout) still leaves them."""
+        partial = {"benchmark": "bench_throughput", "partial": True, "environment": environment(),
+                   "results": [{k: v for k, v in asdict(r).items() if k != "batches"} for r in done]}
+        _write_json(args.json, partial)
+
     try:
         if args.sweep:
             results = bench_sweep(setup, ns[0], requests=plan.requests and plan.requests[ns[0]],
@@ -378,7 +406,7 @@ def run_and_report(args: argparse.Namespace) -> int:
         else:
             results = bench_all(setup, ns, requests=plan.requests, repeats=plan.repeats,
                                 systems=plan.systems, progress=not args.no_progress,
-                                names=names)  # fmt: skip
+                                names=names, on_result=save_partial)  # fmt: skip
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -432,14 +460,20 @@ def run_and_report(args: argparse.Namespace) -> int:
         print(format_targets(report["targets"], ran=ns))
     print(f"\nwall time {elapsed:.0f} s; failed requests {failed}; left in /dev/shm: "
           f"{', '.join(left) or 'nothing'}")  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2, default=_json_default)
-        f.write("\n")
+    _write_json(args.json, report)
     print(f"wrote {os.path.abspath(args.json)}")
     if not args.sweep and not args.no_plot:
         print(plot(results, args.plot))
     return 1 if failed or left else 0
+
+
+def _write_json(path: str, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` through a temporary file: a reader never sees half of it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump(report, f, indent=2, default=_json_default)
+        f.write("\n")
+    os.replace(path + ".part", path)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "bicodec-shm bench",

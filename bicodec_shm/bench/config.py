@@ -124,6 +124,8 @@ class Setup:
     stand_in_ms: tuple[float, float] = (DEFAULT_A_MS, DEFAULT_B_MS)
     shm: tuple[ShmVariant, ...] = (ShmVariant(),)
     lock_trace: str | None = None  # tests: the stand-in's per-process lock logs entry and exit
+    per_process_max_n: int | None = None  # run the decoder per process only at N <= this
+    memory_gib: float | None = None  # the machine's memory for the per-process check (None: ask)
 
     @property
     def model(self) -> ModelSpec:

@@ -16,13 +16,23 @@ from .systems import _check_count, bench_ideal, bench_limit, bench_per_process, 
 
 
 def _memory_ok(setup: Setup, n: int) -> str:
-    """Why N decoder processes must not be started here ("" if they may)."""
-    import psutil
+    """Why N decoder processes must not be started here ("" if they may).
 
+    ``setup.memory_gib``, when given, is the memory the machine has: a VM whose memory starts
+    small and grows as it is used (the lent GPU machine) reports little "available" at first,
+    and asking it would skip runs that fit.
+    """
+    if setup.per_process_max_n is not None and n > setup.per_process_max_n:
+        return f"skipped: --per-process-max-n {setup.per_process_max_n}"
     need = n * PROCESS_GIB.get(setup.preset, 1.0) + 1.0
-    free = psutil.virtual_memory().available / 2**30
+    if setup.memory_gib is not None:
+        free, what = setup.memory_gib, "given (--memory-gib)"
+    else:
+        import psutil
+
+        free, what = psutil.virtual_memory().available / 2**30, "available"
     if free < need:
-        return f"skipped: needs ~{need:.0f} GiB free, {free:.1f} GiB available"
+        return f"skipped: needs ~{need:.0f} GiB free, {free:.1f} GiB {what}"
     return ""
 
 
@@ -33,8 +43,10 @@ def runs_per_repeat(setup: Setup, systems: Sequence[str]) -> int:
 
 def bench_all(setup: Setup, ns: Sequence[int], *, requests: dict[int, int] | None = None,
               repeats: int = 1, systems: Sequence[str] = SYSTEMS, progress: bool = True,
-              names: list[str] | None = None) -> list[RunResult]:  # fmt: skip
+              names: list[str] | None = None,
+              on_result: Callable[[list[RunResult]], None] | None = None) -> list[RunResult]:  # fmt: skip
     """Every system at every N, ``repeats`` times; one ``RunResult`` per (N, repeat, system).
+    ``on_result(results so far)`` is called after every system's run (to save partial results).
 
     Within a repeat the systems run in an order rotated from one repeat to the next (the
     limit always right after bicodec-shm, whose batches it replays), so that a burst of load
@@ -61,6 +73,8 @@ def bench_all(setup: Setup, ns: Sequence[int], *, requests: dict[int, int] | Non
                     for group in groups[shift:] + groups[:shift]:
                         results += _run_group(group, setup, n, count, systems, ctx=ctx,
                                               sampler=sampler, bar=bar, names=names, repeat=r)  # fmt: skip
+                        if on_result is not None:
+                            on_result(results)
                     if setup.stand_in:
                         results.append(bench_ideal(setup, n, count=count))
                     for result in results[done:]:

@@ -62,10 +62,15 @@ def _load_model(spec: ModelSpec, threads: int) -> Any:
 
     torch.set_num_threads(threads)
     from ..model import BiCodecDecoder
+    from ..model.devices import exact_cuda_math
 
     # Spawned workers inherit the device through the environment (set by --device).
-    model = BiCodecDecoder.from_config(spec.preset, seed=spec.seed)
-    model = model.to(os.environ.get(DEVICE_ENV, "cpu"))
+    device = torch.device(os.environ.get(DEVICE_ENV, "cpu"))
+    if device.type == "cuda":
+        # Every system, not only bicodec-shm's DecoderServer, runs with the server's math: a
+        # baseline left at cuDNN's TF32 default would be faster for that alone.
+        exact_cuda_math()
+    model = BiCodecDecoder.from_config(spec.preset, seed=spec.seed).to(device)
     semantic = torch.zeros(2, 25, dtype=torch.long)
     model.detokenize(semantic, torch.zeros(2, N_GLOBAL, dtype=torch.long), torch.tensor([25, 20]))
     model.detokenize(semantic[:1], torch.zeros(1, N_GLOBAL, dtype=torch.long))

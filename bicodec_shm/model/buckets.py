@@ -87,6 +87,16 @@ class BucketGrid:
         return cls(tuple(batches), tuple(lengths + [max_frames]))
 
     @classmethod
+    def for_max_batch(cls, max_batch: int, lengths: Sequence[int] = DEFAULT_LENGTHS) -> BucketGrid:
+        """Batch sizes 1, 2, 4, ... below ``max_batch``, then ``max_batch`` itself: a server
+        never forms a larger batch, so larger buckets would only cost capture time and memory
+        (the default grid's 32-row buckets are 7 of its 42 graphs)."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        return cls(tuple(2**i for i in range(max_batch.bit_length()) if 2**i < max_batch) + (max_batch,),
+                   tuple(lengths))  # fmt: skip
+
+    @classmethod
     def parse(cls, text: str) -> BucketGrid:
         """``"1,2,4,8x25,50,100"`` -> batch sizes (1, 2, 4, 8) x lengths (25, 50, 100).
 

@@ -158,12 +158,12 @@ class BiCodecDecoder(nn.Module):
         # The checks read lengths where the caller keeps them (the server: host memory), before
         # they move to the device, so that nothing here waits for the device.
         shortest = int(lens.min()) if lens is not None else n_frames
-        lens = lens.to(device) if shortest < n_frames else None
+        lens = to_device(lens, device) if shortest < n_frames else None
         time_mask = None
         if lens is not None and mask:
             time_mask = TimeMask(lens, n_frames, self.decoder.time_factors, dtype=self.dtype,
                                  shortest=shortest)  # fmt: skip
-        audio = self(semantic.to(device), glob.to(device), time_mask)
+        audio = self(to_device(semantic, device), to_device(glob, device), time_mask)
         audio = audio[:, 0].float()  # (B, 1, N) -> (B, N)
         if lens is not None:
             ends = lens[:, None] * self.config.hop_length  # (B, 1)
@@ -175,6 +175,18 @@ class BiCodecDecoder(nn.Module):
         """Compute dtype: that of the convolutions and linear layers (norms, Snake α and the
         de-quantisers are float32 in every precision)."""
         return self.decoder.model[0].weight.dtype
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; host -> CUDA goes through page-locked memory without waiting.
+
+    A copy from pageable host memory waits until the stream has caught up, so a lane launching
+    batch k would wait for batch k-1 to finish. From a pinned staging copy it is queued like a
+    kernel; torch's pinned-memory cache keeps the staging buffer until the copy has run.
+    """
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _as_config(cfg: BiCodecConfig | Mapping[str, Any] | str) -> BiCodecConfig:

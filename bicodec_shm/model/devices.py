@@ -48,3 +48,31 @@ def _check_cuda(text: str, dev: torch.device) -> None:
     count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:
         raise ValueError(f"device {text!r}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}")
+
+
+def exact_cuda_math() -> None:
+    """Set the process-wide CUDA math flags that every decode here runs with (the server, the
+    CUDA graphs, every system of ``bicodec-shm bench``, bench_model.py and the gpu tests):
+
+    - TF32 off in cuDNN convolutions and cuBLAS matmuls: TF32 rounds float32 inputs to 10-bit
+      mantissas, and cuDNN picks kernels by shape, so a batched row would no longer equal its
+      lone decode to float32 precision; a benchmark system left at cuDNN's TF32 default would
+      also be faster for that alone, and every ratio against it spuriously low;
+    - cuDNN deterministic, no autotuning: only deterministic engines, chosen the same way every
+      time, so a shape decodes to the same bits in every run and a graph replays the eager
+      kernels (ConvTranspose1d runs cuDNN's backward-data kernels, some of which add with
+      atomics in an order that varies from run to run).
+
+    Cheap and idempotent; without CUDA the flags are set and have no effect.
+    """
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def uses_exact_cuda_math() -> bool:
+    """Whether :func:`exact_cuda_math`'s flags are all in force."""
+    b = torch.backends
+    return (not b.cudnn.allow_tf32 and not b.cuda.matmul.allow_tf32 and b.cudnn.deterministic
+            and not b.cudnn.benchmark)  # fmt: skip

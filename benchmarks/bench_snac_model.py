@@ -154,7 +154,8 @@ def format_table(rows: list[dict[str, Any]], cfg: SNACConfig, gflop: float) -> s
         )
     lines.append(f"{cfg.codec_name}: a frame is {cfg.samples_per_frame} samples ({1e3 * frame_s:.1f} ms); "
                  f"{gflop:.3f} GFLOP per frame (counted)")  # fmt: skip
-    lines.append("ms/frame = ms/batch over the batch's valid frames (lengths T..T/2); x realtime = audio s / s")
+    lines.append("ms/frame = ms/batch over the batch's valid frames (lengths T..T/2); "
+                 "x realtime = audio s / s")  # fmt: skip
     lines.append("gain = (ms per item at B) / (ms per item at B=1); mask ovh = vs mask=False; "
                  "noise % = vs noise=False")  # fmt: skip
     return "\n".join(lines)

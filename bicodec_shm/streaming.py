@@ -116,7 +116,8 @@ class StreamSettings:
         the coarsest level, 7 Orpheus tokens at 24 kHz)."""
         presets = CODEC_PRESETS.get(codec)
         if presets is None:
-            raise ValueError(f"no streaming presets for codec {codec!r}; expected one of {sorted(CODEC_PRESETS)}")
+            known = sorted(CODEC_PRESETS)
+            raise ValueError(f"no streaming presets for codec {codec!r}; expected one of {known}")
         try:
             return presets[name]
         except KeyError:

@@ -143,8 +143,8 @@ def test_orpheus_rejects_a_token_with_another_positions_offset():
 def test_orpheus_rejects_an_id_out_of_range(value):
     ids = codes_to_orpheus(snac_codes(2)).copy()
     ids[7] = value
-    with pytest.raises(ValueError, match=rf"token 7 \(frame 1, position 0, level 0\) = {value} is not "
-                                         r"an Orpheus audio token: audio ids are 128266..156937"):  # fmt: skip
+    message = rf"token 7 \(frame 1, position 0, level 0\) = {value} is not an Orpheus audio token: "
+    with pytest.raises(ValueError, match=message + r"audio ids are 128266..156937"):
         orpheus_to_codes(ids)
 
 

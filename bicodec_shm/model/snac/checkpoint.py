@@ -67,7 +67,7 @@ def read_state_dict(folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     try:
         if file.is_file():
             # weights_only: a .bin is a pickle, and this refuses anything but tensors.
-            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
         else:
             file = folder / SAFETENSORS_FILE
             tensors = load_file(str(file))

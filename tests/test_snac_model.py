@@ -128,6 +128,16 @@ def test_tiny_batched_rows_equal_their_lone_decodes(tiny_models, variant):
     check_batched_equals_lone(tiny_models[variant], 9, [9, 5, 2, 8], seed=2)
 
 
+def test_equal_lengths_off_the_window_grid_batch(tiny_models):
+    """5 frames = 40 latent frames, 2 attention windows, the second one short; no lengths."""
+    model = tiny_models["44khz"]
+    cfg = model.config
+    codes = random_codes(cfg, 2, 5, seed=14)
+    audio = model.detokenize(codes)
+    for i in range(2):
+        assert (audio[i] - model.detokenize(row(codes, cfg, i, 5))[0]).abs().max() <= TOL
+
+
 def test_padding_content_does_not_matter(tiny_models):
     model = tiny_models["32khz"]
     cfg = model.config

@@ -148,7 +148,7 @@ class LocalMHA(nn.Module):
             for t in self.to_qkv(h).chunk(3, dim=-1)
         )  # (B, W·n, C) -> (B·W, H, n, 64)  # fmt: skip
         q, k = self.rel_pos(q, k)
-        keep = _window_mask(lengths, frames, windows, size, x.device)
+        keep = _window_mask(lengths, batch, frames, windows, size, x.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         out = out.reshape(batch, windows, self.heads, size, DIM_HEAD).transpose(2, 3)
         out = out.reshape(batch, windows * size, channels)[:, :frames]  # (B·W, H, n, 64) -> (B, T, C)
@@ -156,7 +156,7 @@ class LocalMHA(nn.Module):
 
 
 def _window_mask(
-    lengths: torch.Tensor | None, frames: int, windows: int, size: int, device: torch.device
+    lengths: torch.Tensor | None, batch: int, frames: int, windows: int, size: int, device: torch.device
 ) -> torch.Tensor | None:
     """(B·W, 1, 1, n) bool: which keys each window may attend to; None when all of them.
 
@@ -167,7 +167,7 @@ def _window_mask(
     if lengths is None and frames % size == 0:
         return None
     if lengths is None:
-        lengths = torch.full((1,), frames, device=device)
+        lengths = torch.full((batch,), frames, device=device)
     positions = torch.arange(windows * size, device=device)
     valid = (positions < lengths[:, None]).view(-1, windows, size)  # (B, W, n)
     valid |= ~valid.any(dim=-1, keepdim=True)

@@ -141,13 +141,14 @@ PRESETS: Mapping[str, StreamSettings] = {
     "peers": StreamSettings(chunk_tokens=50, left_context=5, lookahead=0, crossfade=1600),
 }
 
-# SNAC, in frames (2048 samples at 24 kHz, 3072 at 32 and 44.1 kHz). Measured with
-# benchmarks/bench_snac_streaming.py (full size, random weights, seed-keyed noise drawn as in the
-# full decode). A NaN in one latent frame reaches 2.6 frames to each side at 24 kHz; at 32/44 kHz
-# it fills its 4-frame attention window and the one before, ~0.8 frame more on each side, so
-# windows there start on multiples of 4 frames (chunk and left context are multiples of 4).
+# SNAC, in frames (2048 samples at 24 kHz, 3072 at 32 and 44.1 kHz). A NaN planted in one latent
+# frame reaches 2.6 frames to each side at 24 kHz, whatever the weights; at 32/44 kHz it fills its
+# 4-frame attention window (and the one before), ~0.8 frame more on each side, so windows there
+# start on multiples of 4 frames (chunk and left context are multiples of 4). SNR against the
+# full decode: benchmarks/bench_snac_streaming.py (full size, random weights, frame by frame;
+# each window draws the full decode's noise), numbers in the comments.
 _SNAC_WINDOWED = {
-    "default": StreamSettings(chunk_tokens=4, left_context=4, lookahead=4, crossfade=0),
+    "default": StreamSettings(chunk_tokens=4, left_context=8, lookahead=4, crossfade=0),  # 53 dB
     "exact": StreamSettings(chunk_tokens=8, left_context=8, lookahead=8, crossfade=0),
     # Orpheus's scheme (orpheus_tts/decoder.py) on 4-frame windows: [2048:4096] is frame 1 of 4.
     "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),
@@ -155,8 +156,10 @@ _SNAC_WINDOWED = {
 CODEC_PRESETS: Mapping[str, Mapping[str, StreamSettings]] = {
     "bicodec": PRESETS,
     "snac-24khz": {
-        "default": StreamSettings(chunk_tokens=2, left_context=3, lookahead=3, crossfade=0),
-        "exact": StreamSettings(chunk_tokens=4, left_context=4, lookahead=4, crossfade=0),
+        # First audio after 4 frames, as Orpheus (28 tokens), at 54 dB instead of 16 dB.
+        "default": StreamSettings(chunk_tokens=2, left_context=3, lookahead=2, crossfade=0),
+        # 3 frames of context on each side cover the receptive field: float rounding only.
+        "exact": StreamSettings(chunk_tokens=4, left_context=3, lookahead=3, crossfade=0),
         # What Orpheus does: each new frame n decodes the last 4 frames (28 tokens) and keeps
         # samples [2048:4096], frame n-3. (Orpheus never plays frame 0 nor the last 2 frames;
         # a DecodeStream does, with the same windows between.)

@@ -148,7 +148,7 @@ PRESETS: Mapping[str, StreamSettings] = {
 # full decode: benchmarks/bench_snac_streaming.py (full size, random weights, frame by frame;
 # each window draws the full decode's noise), numbers in the comments.
 _SNAC_WINDOWED = {
-    "default": StreamSettings(chunk_tokens=4, left_context=8, lookahead=4, crossfade=0),  # 53 dB
+    "default": StreamSettings(chunk_tokens=4, left_context=8, lookahead=4, crossfade=0),  # 48 dB
     "exact": StreamSettings(chunk_tokens=8, left_context=8, lookahead=8, crossfade=0),
     # Orpheus's scheme (orpheus_tts/decoder.py) on 4-frame windows: [2048:4096] is frame 1 of 4.
     "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),

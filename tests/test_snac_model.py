@@ -13,6 +13,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import snac  # the reference implementation: in the test extra, so a missing one fails loudly
 import torch
 
 from bicodec_shm.errors import CheckpointError
@@ -20,8 +21,6 @@ from bicodec_shm.model import checkpoint as shared
 from bicodec_shm.model.snac import DEFAULT_NOISE_SEED, SNACConfig, SNACDecoder
 from bicodec_shm.model.snac.config import PRESETS
 from bicodec_shm.model.snac.noise import NOISE_CHUNK, batch_noise, row_noise
-
-snac = pytest.importorskip("snac")
 
 VARIANTS = ("24khz", "32khz", "44khz")
 TOL = 1e-5

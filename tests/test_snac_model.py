@@ -8,10 +8,9 @@ the same weights and the same noise is the ground truth for the decoder itself.
 from __future__ import annotations
 
 import json
+import warnings
 from contextlib import contextmanager
 from unittest import mock
-
-import warnings
 
 import numpy as np
 import pytest

@@ -110,12 +110,18 @@ class StreamSettings:
         return self.left_context + self.chunk_tokens + self.lookahead
 
     @classmethod
-    def preset(cls, name: str) -> StreamSettings:
-        """One of :data:`PRESETS`: ``"default"``, ``"exact"`` or ``"peers"``."""
+    def preset(cls, name: str, codec: str = "bicodec") -> StreamSettings:
+        """One of the codec's presets (:data:`PRESETS` for BiCodec, :data:`CODEC_PRESETS`):
+        ``"default"``, ``"exact"`` or ``"peers"``. For SNAC a "token" is a frame (one code of
+        the coarsest level, 7 Orpheus tokens at 24 kHz)."""
+        presets = CODEC_PRESETS.get(codec)
+        if presets is None:
+            known = sorted(CODEC_PRESETS)
+            raise ValueError(f"no streaming presets for codec {codec!r}; expected one of {known}")
         try:
-            return PRESETS[name]
+            return presets[name]
         except KeyError:
-            known = sorted(PRESETS)
+            known = sorted(presets)
             raise ValueError(f"unknown preset {name!r}; expected one of {known}") from None
 
 
@@ -135,6 +141,34 @@ PRESETS: Mapping[str, StreamSettings] = {
     "peers": StreamSettings(chunk_tokens=50, left_context=5, lookahead=0, crossfade=1600),
 }
 
+# SNAC, in frames (2048 samples at 24 kHz, 3072 at 32 and 44.1 kHz). A NaN planted in one latent
+# frame reaches 2.6 frames to each side at 24 kHz, whatever the weights; at 32/44 kHz it fills its
+# 4-frame attention window (and the one before), ~0.8 frame more on each side, so windows there
+# start on multiples of 4 frames (chunk and left context are multiples of 4). SNR against the
+# full decode: benchmarks/bench_snac_streaming.py (full size, random weights, frame by frame;
+# each window draws the full decode's noise), numbers in the comments.
+_SNAC_WINDOWED = {
+    "default": StreamSettings(chunk_tokens=4, left_context=8, lookahead=4, crossfade=0),  # 48 dB
+    "exact": StreamSettings(chunk_tokens=8, left_context=8, lookahead=8, crossfade=0),
+    # Orpheus's scheme (orpheus_tts/decoder.py) on 4-frame windows: [2048:4096] is frame 1 of 4.
+    "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),
+}
+CODEC_PRESETS: Mapping[str, Mapping[str, StreamSettings]] = {
+    "bicodec": PRESETS,
+    "snac-24khz": {
+        # First audio after 4 frames, as Orpheus (28 tokens), at 54 dB instead of 16 dB.
+        "default": StreamSettings(chunk_tokens=2, left_context=3, lookahead=2, crossfade=0),
+        # 3 frames of context on each side cover the receptive field: float rounding only.
+        "exact": StreamSettings(chunk_tokens=4, left_context=3, lookahead=3, crossfade=0),
+        # What Orpheus does: each new frame n decodes the last 4 frames (28 tokens) and keeps
+        # samples [2048:4096], frame n-3. (Orpheus never plays frame 0 nor the last 2 frames;
+        # a DecodeStream does, with the same windows between.)
+        "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),
+    },
+    "snac-32khz": _SNAC_WINDOWED,
+    "snac-44khz": _SNAC_WINDOWED,
+}
+
 
 @dataclass(frozen=True)
 class _Window:
@@ -151,8 +185,8 @@ class DecodeStream:
 
     Args:
         decoder: a ``DecoderClient`` (windows go through the shared server and batch with other
-            streams) or a ``BiCodecDecoder`` (decoded in this process).
-        global_ids: the utterance's 32 global (speaker) ids in ``[0, 4096)``.
+            streams), a ``BiCodecDecoder`` or a ``SNACDecoder`` (decoded in this process).
+        global_ids: the utterance's 32 global (speaker) ids in ``[0, 4096)``; None for SNAC.
         preset: ``"default"``, ``"exact"`` or ``"peers"`` (see :data:`PRESETS`); the four
             keyword settings below override single fields of it.
         chunk_tokens, left_context, lookahead, crossfade: see :class:`StreamSettings`.
@@ -161,6 +195,11 @@ class DecodeStream:
         max_window: the most tokens one decode may carry (the server's ``--max-tokens``); a large
             push is split into several windows.
         timeout: seconds per decode for a client (None: the client's default).
+
+    For SNAC a "token" is a frame: ``push`` takes whole frames of every level (``[level0,
+    level1, ...]``, rates 1:2:4 or 1:2:4:8; ``codecs.orpheus_to_codes`` makes them from Orpheus
+    ids), the settings count frames, and each window draws the noise the full decode draws at its
+    frames (``start_frames``), so the ``exact`` preset equals the full decode.
 
     ``push`` / ``finish`` return the PCM that is final so far as bytes, possibly empty; their
     async twins ``push_async`` / ``finish_async`` use ``decode_async`` on a client (and a worker
@@ -192,7 +231,9 @@ class DecodeStream:
             "lookahead": lookahead,
             "crossfade": crossfade,
         }
-        settings = StreamSettings.preset(preset)
+        snac_config = _snac_config(decoder)
+        codec = snac_config.codec_name if snac_config is not None else "bicodec"
+        settings = StreamSettings.preset(preset, codec)
         settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
         if settings.window_tokens > max_window:
             raise ValueError(
@@ -204,7 +245,17 @@ class DecodeStream:
         self._max_window = max_window
         self._timeout = timeout
         self._decoder = decoder
-        if hasattr(decoder, "decode_async") and hasattr(decoder, "decode"):
+        self._hop = HOP  # samples per token (BiCodec) or per frame (SNAC)
+        self._snac: Any = None  # the SNAC config of an in-process SNACDecoder
+        if snac_config is not None:
+            self._in_process, self._snac = True, snac_config
+            self._hop = snac_config.samples_per_frame
+            if global_ids is not None:
+                raise ValueError(f"{codec} takes no global ids: pass global_ids=None")
+            self._globals = np.zeros(0, np.int32)
+            # One row per frame: its codes of every level, level 0 first.
+            self._tokens = np.zeros((0, sum(snac_config.level_rates)), np.int32)
+        elif hasattr(decoder, "decode_async") and hasattr(decoder, "decode"):
             self._in_process = False
             self._vocab, gvocab, n_global = SEMANTIC_VOCAB, GLOBAL_VOCAB, N_GLOBAL
         elif hasattr(decoder, "detokenize") and hasattr(decoder, "config"):
@@ -215,12 +266,14 @@ class DecodeStream:
             self._vocab, gvocab, n_global = cfg.semantic_vocab, cfg.global_vocab, cfg.n_global
         else:
             raise ValueError(
-                f"decoder must be a DecoderClient or a BiCodecDecoder, got {type(decoder).__name__}"
+                f"decoder must be a DecoderClient or a BiCodecDecoder (or a SNACDecoder), "
+                f"got {type(decoder).__name__}"
             )
-        self._globals = as_token_array(
-            global_ids, what="global_ids", vocab=gvocab, max_len=n_global, exact_len=n_global
-        )
-        self._tokens = np.zeros(0, np.int32)  # tokens [offset, received): what windows still need
+        if snac_config is None:
+            self._globals = as_token_array(
+                global_ids, what="global_ids", vocab=gvocab, max_len=n_global, exact_len=n_global
+            )
+            self._tokens = np.zeros(0, np.int32)  # tokens [offset, received): what windows still need
         self._offset = 0
         self._received = 0
         self._emitted = 0  # e: tokens whose audio is final (all of it but the held tail)
@@ -271,7 +324,7 @@ class DecodeStream:
     @property
     def samples_emitted(self) -> int:
         """Samples returned so far; ``HOP × tokens_received`` once finished."""
-        return HOP * self._emitted - len(self._tail)
+        return self._hop * self._emitted - len(self._tail)
 
     @property
     def tokens_decoded(self) -> int:
@@ -308,6 +361,8 @@ class DecodeStream:
         return _Turn(self._busy)
 
     def _append(self, semantic_ids: Any) -> None:
+        if self._snac is not None:
+            return self._append_frames(semantic_ids)
         if _is_empty(semantic_ids):
             return  # a push of nothing is allowed (e.g. to retry a failed decode)
         ids = as_token_array(
@@ -315,6 +370,22 @@ class DecodeStream:
         )
         self._tokens = np.concatenate([self._tokens, ids])
         self._received += len(ids)
+
+    def _append_frames(self, levels: Any) -> None:
+        """SNAC: ``levels`` holds whole frames of every level; each becomes one row of tokens."""
+        from .codecs.layout import check_request
+
+        if _is_empty(levels) or (
+            isinstance(levels, (list, tuple)) and levels and all(_is_empty(v) for v in levels)
+        ):
+            return
+        arrays, _, frames = check_request(self._snac.layout, levels)
+        rows = np.concatenate(
+            [a.reshape(frames, rate) for a, rate in zip(arrays, self._snac.level_rates, strict=True)],
+            axis=1,
+        )  # (frames, codes per frame)
+        self._tokens = np.concatenate([self._tokens, rows])
+        self._received += frames
 
     def _plan(self, *, final: bool) -> list[_Window]:
         """The windows to decode now; ``final``: everything left, without lookahead."""
@@ -344,18 +415,19 @@ class DecodeStream:
         parts: list[np.ndarray] = []
         tail = self._tail
         for w, wav in zip(windows, audio, strict=True):
-            if len(wav) != HOP * (w.w1 - w.w0):
+            hop = self._hop
+            if len(wav) != hop * (w.w1 - w.w0):
                 raise ValueError(  # a decoder that does not give hop samples per token
                     f"decode of {w.w1 - w.w0} tokens returned {len(wav)} samples, "
-                    f"expected {HOP * (w.w1 - w.w0)}"
+                    f"expected {hop * (w.w1 - w.w0)}"
                 )
-            start = HOP * (w.r0 - w.w0)  # sample index of the joint inside this window
+            start = hop * (w.r0 - w.w0)  # sample index of the joint inside this window
             if len(tail):
                 fade = _fade_in(len(tail))
                 parts.append(tail * (1.0 - fade) + wav[start - len(tail) : start] * fade)
             if w.r0 > 0:
-                self._joints.append(HOP * w.r0)
-            region = wav[start : HOP * (w.r1 - w.w0)]
+                self._joints.append(hop * w.r0)
+            region = wav[start : hop * (w.r1 - w.w0)]
             last = final and w is windows[-1]
             keep = 0 if last else self.settings.crossfade
             parts.append(region[: len(region) - keep])
@@ -381,6 +453,8 @@ class DecodeStream:
 
     def _decode(self, w: _Window) -> np.ndarray:
         ids = self._window_ids(w)
+        if self._snac is not None:
+            return _snac_decode(self._decoder, self._snac.level_rates, ids, w.w0)
         if self._in_process:
             return _model_decode(self._decoder, ids, self._globals)
         return np.asarray(
@@ -391,6 +465,10 @@ class DecodeStream:
     async def _decode_all_async(self, windows: list[_Window]) -> list[np.ndarray]:
         if not windows:
             return []
+        if self._snac is not None:
+            model, rates = self._decoder, self._snac.level_rates
+            work = [(self._window_ids(w), w.w0) for w in windows]
+            return await asyncio.to_thread(lambda: [_snac_decode(model, rates, i, s) for i, s in work])
         if self._in_process:
             ids = [self._window_ids(w) for w in windows]
             model, glb = self._decoder, self._globals
@@ -424,6 +502,23 @@ class _Turn:
 def _model_decode(model: Any, ids: np.ndarray, global_ids: np.ndarray) -> np.ndarray:
     """In-process decode of one window: (n,), (32,) -> (HOP·n,) float32."""
     audio = model.detokenize(ids.astype(np.int64)[None], global_ids.astype(np.int64)[None])
+    return audio[0].cpu().numpy()  # (1, N) -> (N,)
+
+
+def _snac_config(decoder: Any) -> Any:
+    """The config of an in-process SNACDecoder (it has per-level rates), else None."""
+    config = getattr(decoder, "config", None)
+    return config if hasattr(decoder, "detokenize") and hasattr(config, "level_rates") else None
+
+
+def _snac_decode(model: Any, rates: tuple[int, ...], rows: np.ndarray, start: int) -> np.ndarray:
+    """In-process decode of one SNAC window: rows (n, codes per frame) -> (spf·n,) float32.
+
+    ``start_frames`` makes the window draw the noise the full decode draws at these frames.
+    """
+    edges = np.cumsum((0, *rates))
+    levels = [rows[:, a:b].astype(np.int64).reshape(1, -1) for a, b in zip(edges[:-1], edges[1:])]
+    audio = model.detokenize(levels, start_frames=[start])
     return audio[0].cpu().numpy()  # (1, N) -> (N,)
 
 

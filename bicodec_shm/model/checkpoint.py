@@ -40,6 +40,7 @@ _SUFFIXES: dict[Form, tuple[str, ...]] = {
     "folded": ("weight",),
 }
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
 
 
 def weight_norm_prefixes(model: nn.Module) -> frozenset[str]:
@@ -139,6 +140,24 @@ def read_state_dict(file: Path, model: nn.Module) -> dict[str, torch.Tensor]:
         raise
     except Exception as exc:  # safetensors raises its own error types for a damaged file
         raise CheckpointError(f"{file}: cannot read safetensors: {exc}") from exc
+    return _fold(plan, tensors)
+
+
+def fold_state_dict(
+    tensors: Mapping[str, torch.Tensor], model: nn.Module, source: Path
+) -> dict[str, torch.Tensor]:
+    """The state dict ``model`` needs from ``tensors`` (a loaded checkpoint), weight norm folded.
+
+    Same checks as :func:`read_state_dict`: one CheckpointError, naming ``source``, lists every
+    decode-path key that is missing, of the wrong shape, or not floating point.
+    """
+    meta = {k: (tuple(t.shape), _DTYPE_NAMES.get(t.dtype, str(t.dtype))) for k, t in tensors.items()}
+    return _fold(_plan(meta, model, source), tensors)
+
+
+def _fold(
+    plan: Mapping[str, tuple[str, ...]], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     return {
         name: fold_weight_norm(*(tensors[k] for k in keys)) if len(keys) == 2 else tensors[keys[0]]
         for name, keys in plan.items()

@@ -1,0 +1,197 @@
+"""What a codec's tokens look like, for the client: levels, rates, vocabularies, audio per frame.
+
+Torch-free (numpy only), so that a client can check a request against the server's codec before
+anything is written to shared memory. A *frame* is one code of the coarsest level; level ``i``
+carries ``level_rates[i]`` codes per frame::
+
+    BiCodec     level 0  |s|s|s|s|      1 semantic id per frame (20 ms), plus 32 global ids
+    SNAC 24 kHz level 0  |   a   |      1 per frame  (85.3 ms, 2048 samples)
+                level 1  | b | b |      2 per frame
+                level 2  |c|c|c|c|      4 per frame
+    SNAC 32/44  levels 0..3 at 1 : 2 : 4 : 8 codes per frame, no global ids
+
+A request of ``n`` frames therefore holds ``n · level_rates[i]`` codes at level ``i`` and
+decodes to ``n · samples_per_frame`` samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..validation import as_token_array
+
+
+@dataclass(frozen=True)
+class CodecLayout:
+    """The token layout of one codec.
+
+    Args:
+        name: the codec's name (``"bicodec"``, ``"snac-24khz"``, ...).
+        level_rates: codes per frame at each level, coarsest first; ``level_rates[0]`` is 1.
+        level_vocab: ids at level ``i`` lie in ``[0, level_vocab[i])``.
+        samples_per_frame: audio samples one frame decodes to.
+        sample_rate: audio samples per second.
+        n_global: global (speaker) ids per request; 0 for a codec that takes none.
+        global_vocab: global ids lie in ``[0, global_vocab)``; 0 when ``n_global`` is 0.
+    """
+
+    name: str
+    level_rates: tuple[int, ...]
+    level_vocab: tuple[int, ...]
+    samples_per_frame: int
+    sample_rate: int
+    n_global: int = 0
+    global_vocab: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.level_rates or len(self.level_rates) != len(self.level_vocab):
+            raise ValueError(
+                f"level_rates {self.level_rates} and level_vocab {self.level_vocab} must be "
+                "non-empty and of equal length"
+            )
+        if self.level_rates[0] != 1 or min(self.level_rates) < 1 or min(self.level_vocab) < 1:
+            raise ValueError(
+                f"level_rates must start at 1 and be >= 1, vocabularies >= 1: {self.level_rates}, "
+                f"{self.level_vocab}"
+            )
+        if self.samples_per_frame < 1 or self.sample_rate < 1:
+            raise ValueError("samples_per_frame and sample_rate must be >= 1")
+        if (self.n_global > 0) != (self.global_vocab > 0) or min(self.n_global, self.global_vocab) < 0:
+            raise ValueError(
+                f"n_global={self.n_global} and global_vocab={self.global_vocab} must both be 0 "
+                "or both be positive"
+            )
+
+    @property
+    def n_levels(self) -> int:
+        """Number of code levels."""
+        return len(self.level_rates)
+
+    @property
+    def takes_global_ids(self) -> bool:
+        """Whether a request carries global ids (BiCodec's 32 speaker ids)."""
+        return self.n_global > 0
+
+    @property
+    def codes_per_frame(self) -> int:
+        """Codes of all levels in one frame (SNAC 24 kHz: 7, Orpheus's tokens per frame)."""
+        return sum(self.level_rates)
+
+    @property
+    def frame_rate(self) -> float:
+        """Frames per second."""
+        return self.sample_rate / self.samples_per_frame
+
+    def describe(self) -> str:
+        """One line for messages and ``stats``: ``snac-24khz: 3 levels at 1:2:4 ...``."""
+        rates = ":".join(map(str, self.level_rates))
+        glob = f", {self.n_global} global ids" if self.takes_global_ids else ", no global ids"
+        return (
+            f"{self.name}: {self.n_levels} level(s) at {rates} codes per frame, vocab "
+            f"{'/'.join(map(str, self.level_vocab))}, {self.samples_per_frame} samples per frame "
+            f"at {self.sample_rate} Hz{glob}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values; :meth:`from_dict` reverses it."""
+        out = asdict(self)
+        out["level_rates"], out["level_vocab"] = list(self.level_rates), list(self.level_vocab)
+        return out
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> CodecLayout:
+        """A layout from :meth:`to_dict`'s mapping; raises ValueError on a bad or missing field."""
+        try:
+            return cls(
+                name=str(mapping["name"]),
+                level_rates=tuple(int(v) for v in mapping["level_rates"]),
+                level_vocab=tuple(int(v) for v in mapping["level_vocab"]),
+                samples_per_frame=int(mapping["samples_per_frame"]),
+                sample_rate=int(mapping["sample_rate"]),
+                n_global=int(mapping.get("n_global", 0)),
+                global_vocab=int(mapping.get("global_vocab", 0)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a codec layout: {dict(mapping)!r} ({exc!r})") from None
+
+
+BICODEC = CodecLayout("bicodec", (1,), (8192,), 320, 16000, n_global=32, global_vocab=4096)
+SNAC_24KHZ = CodecLayout("snac-24khz", (1, 2, 4), (4096,) * 3, 2048, 24000)
+SNAC_32KHZ = CodecLayout("snac-32khz", (1, 2, 4, 8), (4096,) * 4, 3072, 32000)
+SNAC_44KHZ = CodecLayout("snac-44khz", (1, 2, 4, 8), (4096,) * 4, 3072, 44100)
+
+LAYOUTS: dict[str, CodecLayout] = {c.name: c for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ)}
+
+
+def get_layout(name: str) -> CodecLayout:
+    """The layout of a known codec; raises ValueError naming the known ones."""
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; expected one of {sorted(LAYOUTS)}") from None
+
+
+def check_request(
+    layout: CodecLayout,
+    levels: Sequence[Any],
+    global_ids: Any = None,
+    *,
+    max_frames: int | None = None,
+) -> tuple[list[np.ndarray], np.ndarray | None, int]:
+    """Validate one request against ``layout``; return its levels as int32 arrays and its frames.
+
+    Args:
+        levels: one 1-D sequence of ids per level (lists, numpy arrays or tensors), coarsest
+            first; level ``i`` must hold ``frames · level_rates[i]`` ids.
+        global_ids: the global ids for a codec that takes them, else None.
+        max_frames: the most frames a request may carry (the server's slot size), or None.
+
+    Returns:
+        ``(levels, global_ids, frames)``: contiguous int32 arrays (``global_ids`` None for a codec
+        without them) and the request's frame count.
+
+    Raises:
+        ValueError: a wrong number of levels, level lengths that break the rates, an id out of
+            range for its level (naming the level and position), global ids missing or sent to a
+            codec that has none.
+    """
+    name = layout.name
+    if isinstance(levels, (str, bytes)) or not isinstance(levels, Sequence):
+        raise ValueError(
+            f"{name} takes a sequence of {layout.n_levels} code level(s), got {type(levels).__name__}"
+        )
+    if len(levels) != layout.n_levels:
+        rates = ":".join(map(str, layout.level_rates))
+        raise ValueError(
+            f"{name} takes {layout.n_levels} code level(s) at rates {rates}, got {len(levels)}"
+        )
+    limit = max_frames if max_frames is not None else np.iinfo(np.int32).max
+    arrays = [
+        as_token_array(level, what=f"levels[{i}]", vocab=vocab, max_len=limit * rate)
+        for i, (level, rate, vocab) in enumerate(
+            zip(levels, layout.level_rates, layout.level_vocab, strict=True)
+        )
+    ]
+    frames = len(arrays[0])
+    for i, (arr, rate) in enumerate(zip(arrays, layout.level_rates, strict=True)):
+        if len(arr) != frames * rate:
+            raise ValueError(
+                f"levels[{i}] has {len(arr)} codes, but {name} needs {rate} per frame: "
+                f"{frames * rate} for the {frames} frame(s) of levels[0] "
+                f"(rates {':'.join(map(str, layout.level_rates))})"
+            )
+    if not layout.takes_global_ids:
+        if global_ids is not None:
+            raise ValueError(f"{name} takes no global ids, but global_ids were given")
+        return arrays, None, frames
+    if global_ids is None:
+        raise ValueError(f"{name} needs {layout.n_global} global ids, got none")
+    glob = as_token_array(
+        global_ids, what="global_ids", vocab=layout.global_vocab, max_len=layout.n_global,
+        exact_len=layout.n_global,
+    )  # fmt: skip
+    return arrays, glob, frames

@@ -10,7 +10,14 @@ with it (float32 within 1e-4, int16 within 1 LSB). Each client decodes from two 
 - the server gets SIGTERM and a new one is started at once, a rolling restart
   (``--term-server-every``);
 - a client forks with its asyncio thread running (``--fork-every``): the child decodes a few
-  requests with the handle it inherited, then exits; its parent may be killed meanwhile.
+  requests with the handle it inherited, then exits; its parent may be killed meanwhile;
+- a client closes its handle with calls in flight and opens a new one (``--close-every``);
+- a client or the server is SIGSTOPped for a moment (``--stop-every``);
+- a share of synchronous calls is interrupted by a SIGALRM handler raising
+  ``KeyboardInterrupt`` (``--interrupt-share``), and a share of requests carries a garbage
+  submit time (``--garbage-share``: 0 or the largest u64, as a buggy or hostile client would);
+- with ``--group``, the server is a group of two members: server kills hit one member (the
+  supervisor restarts it), rolling restarts replace the whole group.
 
 Each client appends one line per event to its own log, line-buffered, so that a killed client
 loses nothing already said: ``S i`` sent, ``O i`` correct, ``W i`` wrong audio, ``E i Kind``
@@ -42,7 +49,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .processes import serve_command, stop_server, wait_until_serving
-from .transport import SlotState, leftover_objects, random_name, unlink_all
+from .transport import SlotState, ServerState, leftover_objects, probe, random_name, read_header, unlink_all
 
 
 @dataclass
@@ -53,6 +60,8 @@ class SoakResult:
     server_kills: int
     server_term_restarts: int
     client_forks: int
+    client_closes: int
+    stops: int
     hung_clients: int
     sent: int
     correct: int
@@ -87,16 +96,31 @@ def client_main(argv: list[str]) -> int:
     from .client import DecoderClient
     from .errors import BiCodecShmError
 
-    name, pool_path, log_path, seed, stop_file, forks_path = argv
+    name, pool_path, log_path, seed, stop_file, forks_path, interrupt_share, garbage_share = argv
+    interrupt_share, garbage_share = float(interrupt_share), float(garbage_share)
     with np.load(pool_path) as z:  # read it all now: a lazy NpzFile is not thread- or fork-safe
         pool = {key: z[key] for key in z.files}
     count = len([k for k in pool if k.startswith("sem_")])
     rng = random.Random(int(seed))
     fork_asked = threading.Event()
+    close_asked = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: fork_asked.set())
+    signal.signal(signal.SIGUSR2, lambda *_: close_asked.set())
+
+    class Interrupted(KeyboardInterrupt):
+        """Ctrl-C, as a SIGALRM handler raises it in the middle of a call."""
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted()
+
+    signal.signal(signal.SIGALRM, interrupt)
+    if garbage_share:
+        from . import attachment
+
+        attachment.time = _GarbageClock(garbage_share)  # what submit() writes as t_submit_ns
     log = open(log_path, "a", buffering=1)
     log_lock = threading.Lock()
-    client = DecoderClient(name, slots=3, timeout=60, connect_timeout=60)
+    handle = [DecoderClient(name, slots=3, timeout=60, connect_timeout=60)]  # replaced on close
 
     def note(line: str) -> None:
         with log_lock:
@@ -115,8 +139,12 @@ def client_main(argv: list[str]) -> int:
         i, dtype = r.randrange(count), r.choice(["int16", "float32"])
         note(f"S {i}")
         try:
-            pcm = client.decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
-        except BiCodecShmError as exc:
+            if r.random() < interrupt_share:
+                signal.setitimer(signal.ITIMER_REAL, r.uniform(0.0, 0.05))
+            pcm = handle[0].decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        except (BiCodecShmError, Interrupted) as exc:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             note(f"E {i} {type(exc).__name__}")
             return
         note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
@@ -128,7 +156,7 @@ def client_main(argv: list[str]) -> int:
             i, dtype = r.randrange(count), r.choice(["int16", "float32"])
             note(f"S {i}")
             try:
-                pcm = await client.decode_async(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
+                pcm = await handle[0].decode_async(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
             except BiCodecShmError as exc:
                 note(f"E {i} {type(exc).__name__}")
                 return
@@ -143,6 +171,10 @@ def client_main(argv: list[str]) -> int:
     helper = threading.Thread(target=async_thread, daemon=True)
     helper.start()
     while not os.path.exists(stop_file):
+        if close_asked.is_set():  # close with the async thread's calls in flight, then reopen
+            close_asked.clear()
+            old, handle[0] = handle[0], DecoderClient(name, slots=3, timeout=60, connect_timeout=60)
+            old.close()
         if fork_asked.is_set():
             fork_asked.clear()
             with warnings.catch_warnings():
@@ -159,14 +191,27 @@ def client_main(argv: list[str]) -> int:
                     if os.path.exists(stop_file):
                         break
                     one_sync(child_rng)
-                client.close()
+                handle[0].close()
                 log.close()
                 os._exit(0)
         one_sync(rng)
     helper.join(90)
-    client.close()
+    handle[0].close()
     log.close()
     return 0
+
+
+class _GarbageClock:
+    """``time`` for attachment.py, except that a share of submit times is garbage."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.monotonic = time.monotonic
+
+    def monotonic_ns(self) -> int:
+        if random.random() < self.share:
+            return random.choice((0, 2**64 - 1))
+        return time.monotonic_ns()
 
 
 FORK_REQUESTS = 20
@@ -204,10 +249,13 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     rng = random.Random(args.seed)
     server_cmd = serve_command(name, "--preset", args.preset, "--seed", str(args.seed),
                                "--slots", str(args.slots), "--threads", "1",
-                               "--max-tokens", str(args.max_len))  # fmt: skip
+                               "--max-tokens", str(args.max_len),
+                               *(("--device", "cpu,cpu") if args.group else ()))  # fmt: skip
+    members = [f"{name}.{k}" for k in range(2)] if args.group else [name]
     logs: list[tuple[str, bool]] = []  # (log path, was killed)
     clients: dict[int, tuple[subprocess.Popen, str]] = {}
-    kills = server_kills = term_restarts = forks = 0
+    kills = server_kills = term_restarts = forks = closes = stops = 0
+    stopped: tuple[subprocess.Popen | int, float] | None = None  # (process or pid, until)
     server = _start(server_cmd)
     wait_until_serving(name, server)
     t0 = time.monotonic()
@@ -215,7 +263,8 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     def spawn(k: int) -> None:
         log = os.path.join(work, f"client-{len(logs)}.log")
         cmd = [sys.executable, "-m", "bicodec_shm.soak", "client", name, pool, log,
-               str(rng.randrange(2**31)), stop_file, forks_path]  # fmt: skip
+               str(rng.randrange(2**31)), stop_file, forks_path, str(args.interrupt_share),
+               str(args.garbage_share)]  # fmt: skip
         clients[k] = (subprocess.Popen(cmd), log)
 
     def next_time(every: float, now: float) -> float:
@@ -230,6 +279,15 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
         next_server_kill = next_time(args.kill_server_every, t0)
         next_term = next_time(args.term_server_every, t0)
         next_fork = next_time(args.fork_every, t0)
+        next_close = next_time(args.close_every, t0)
+        next_stop = next_time(args.stop_every, t0)
+
+        def resume() -> None:
+            nonlocal stopped
+            if stopped is not None:
+                _signal(stopped[0], signal.SIGCONT)
+                stopped = None
+
         with tqdm(total=int(args.duration), desc="soak", unit="s", file=sys.stderr) as bar:
             while (now := time.monotonic()) < t0 + args.duration:
                 if now >= next_client_kill:
@@ -242,6 +300,22 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                     spawn(k)
                     logs.append((clients[k][1], False))
                     next_client_kill = now + rng.uniform(0.1, 2 * args.kill_every)
+                if stopped is not None and now >= stopped[1]:
+                    resume()
+                if now >= next_close:
+                    proc, _ = clients[rng.randrange(args.clients)]
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGUSR2)
+                        closes += 1
+                    next_close = next_time(args.close_every, now)
+                if now >= next_stop and stopped is None:
+                    # A client, or the server (a member of a group), frozen for a moment.
+                    target = (clients[rng.randrange(args.clients)][0] if rng.random() < 0.5
+                              else _server_pid(server, members, rng))  # fmt: skip
+                    if target is not None and _signal(target, signal.SIGSTOP):
+                        stopped = (target, now + rng.uniform(0.2, 1.5))
+                        stops += 1
+                    next_stop = next_time(args.stop_every, now)
                 if now >= next_fork:
                     proc, _ = clients[rng.randrange(args.clients)]
                     if proc.poll() is None:
@@ -249,14 +323,21 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                         forks += 1
                     next_fork = next_time(args.fork_every, now)
                 if now >= next_server_kill:
-                    server.kill()
-                    server.wait()
-                    server_kills += 1
-                    time.sleep(rng.uniform(0.0, 2.0))  # clients must wait, then resubmit
-                    server = _start(server_cmd)
-                    wait_until_serving(name, server)
+                    resume()
+                    if args.group:  # one member dies; its supervisor restarts it
+                        member = _server_pid(server, members, rng)
+                        if member is not None and _signal(member, signal.SIGKILL):
+                            server_kills += 1
+                    else:
+                        server.kill()
+                        server.wait()
+                        server_kills += 1
+                        time.sleep(rng.uniform(0.0, 2.0))  # clients must wait, then resubmit
+                        server = _start(server_cmd)
+                        wait_until_serving(name, server)
                     next_server_kill = next_time(args.kill_server_every, time.monotonic())
                 if now >= next_term:
+                    resume()
                     # A rolling restart: the new server starts at once and waits for the old
                     # one to finish its batch and let go of the name.
                     server.send_signal(signal.SIGTERM)
@@ -271,6 +352,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                 elapsed = min(int(time.monotonic() - t0), int(args.duration))
                 if elapsed > bar.n:
                     bar.update(elapsed - bar.n)
+        resume()
         open(stop_file, "w").close()
         hung = 0
         for proc, _ in clients.values():
@@ -282,19 +364,50 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                 proc.wait()
         fork_logs, hung_forks = _finish_forks(forks_path, timeout=90)
         logs += [(path, False) for path in fork_logs]
-        leaked = _leaked_slots(name, wait=2.0)
+        if args.group:  # wait for a member killed last to be back
+            deadline = time.monotonic() + 60
+            while not all(probe(m) is ServerState.SERVING for m in members) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        leaked = sum(_leaked_slots(m, wait=2.0) for m in members)
     finally:
+        if stopped is not None:
+            _signal(stopped[0], signal.SIGCONT)
         for proc, _ in clients.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         stop_server(server)
-    left = len(leftover_objects(name))
-    unlink_all(name)
+    left = sum(len(leftover_objects(n)) for n in {name, *members})
+    for n in {name, *members}:
+        unlink_all(n)
     result = _tally(logs, args, kills, server_kills, term_restarts, forks, hung + hung_forks,
                     leaked, left, time.monotonic() - t0)  # fmt: skip
+    result.client_closes, result.stops = closes, stops
     shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def _signal(target: subprocess.Popen | int, sig: int) -> bool:
+    """Send ``sig`` to a process (a Popen or a pid); False if it is gone."""
+    try:
+        if isinstance(target, subprocess.Popen):
+            if target.poll() is not None:
+                return False
+            target.send_signal(sig)
+        else:
+            os.kill(target, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _server_pid(server: subprocess.Popen, members: list[str], rng: random.Random) -> subprocess.Popen | int | None:
+    """The server process, or with a group one member's (its pid from its segment's header:
+    the same PID namespace here)."""
+    if len(members) == 1:
+        return server
+    header = read_header(rng.choice(members))
+    return int(header["server_pid"]) if header is not None and int(header["server_pid"]) else None
 
 
 def _finish_forks(forks_path: str, timeout: float) -> tuple[list[str], int]:
@@ -363,6 +476,7 @@ def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, 
     return SoakResult(
         seconds=round(seconds, 1), clients=args.clients, client_kills=kills,
         server_kills=server_kills, server_term_restarts=term_restarts, client_forks=forks,
+        client_closes=0, stops=0,
         hung_clients=hung, sent=sent, correct=correct, failed_clearly=failed,
         killed_in_flight=killed_in_flight, lost=lost, wrong_audio=wrong, leaked_slots=leaked,
         left_in_dev_shm=left, errors_by_kind=kinds,
@@ -397,6 +511,8 @@ def format_result(r: SoakResult) -> str:
         ("server kills (SIGKILL)", r.server_kills),
         ("rolling restarts (SIGTERM)", r.server_term_restarts),
         ("client forks", r.client_forks),
+        ("client closes (calls in flight)", r.client_closes),
+        ("SIGSTOP/SIGCONT (client or server)", r.stops),
         ("hung clients", r.hung_clients),
         ("requests sent", r.sent),
         ("completed correctly", r.correct),
@@ -419,6 +535,10 @@ DEFAULT_KILL_EVERY = 1.0
 DEFAULT_KILL_SERVER_EVERY = 20.0
 DEFAULT_TERM_SERVER_EVERY = 15.0
 DEFAULT_FORK_EVERY = 4.0
+DEFAULT_CLOSE_EVERY = 5.0
+DEFAULT_STOP_EVERY = 8.0
+DEFAULT_INTERRUPT_SHARE = 0.03
+DEFAULT_GARBAGE_SHARE = 0.03
 HELP_FORMATTER = argparse.ArgumentDefaultsHelpFormatter  # every option's default in --help
 
 
@@ -434,6 +554,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mean seconds between rolling restarts: SIGTERM + a new server (0: none)")
     p.add_argument("--fork-every", type=float, default=DEFAULT_FORK_EVERY,
                    help="mean seconds between client forks (0: none)")  # fmt: skip
+    p.add_argument("--close-every", type=float, default=DEFAULT_CLOSE_EVERY,
+                   help="mean seconds between client handle closes with calls in flight (0: none)")
+    p.add_argument("--stop-every", type=float, default=DEFAULT_STOP_EVERY,
+                   help="mean seconds between SIGSTOPs of a client or the server (0: none)")
+    p.add_argument("--interrupt-share", type=float, default=DEFAULT_INTERRUPT_SHARE,
+                   help="share of synchronous calls interrupted by KeyboardInterrupt")
+    p.add_argument("--garbage-share", type=float, default=DEFAULT_GARBAGE_SHARE,
+                   help="share of requests with a garbage submit time")
+    p.add_argument("--group", action="store_true",
+                   help="serve with a group of two members (server kills hit one member)")
     p.add_argument("--preset", default="tiny", choices=("tiny", "spark-tts-0.5b"),
                    help="the server's architecture (random weights)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the fault schedule")

@@ -15,7 +15,8 @@ Segment layout (all offsets are multiples of 64 bytes)::
     | header (HEADER_DT)  | padding to 4 KiB     | slot table         | semantic tokens |
     | magic, version,     |                      | n_slots x SLOT_DT  | n_slots x       |
     | sizes, server info, |                      | (state, gen, seq,  | max_tokens int32|
-    | counters, histos    |                      |  lengths, status)  |                 |
+    | counters, histos    |                      |  identities, lens, |                 |
+    |                     |                      |  status)           |                 |
     +---------------------+----------------------+--------------------+-----------------+
     globals_off           pcm_off                                            total_size
     +---------------------+--------------------------------------------------+

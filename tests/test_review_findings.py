@@ -591,3 +591,39 @@ def test_queued_requests_fail_fast_once_the_server_stopped_with_no_successor(shm
     assert failed and all(isinstance(o, ServerUnavailableError) for o in failed), outcomes
     assert all("stopped" in str(o) for o in failed)
     assert elapsed < 10  # the 2 s grace, not the 30 s timeout
+
+
+def test_async_calls_across_a_restart_leave_nothing_in_the_users_log(shm_name):
+    """Issue 18: "Future exception was never retrieved ... Gone" after a decoder restart. Every
+    future the client makes is awaited, cancelled, or has its exception retrieved."""
+    import gc
+
+    server = DecoderServer(reference_model(), shm_name, slots=8, lanes=1)
+    thread = _start(server)
+    logged = []
+    reqs = [seeded_request(40 + i, 10 + i) for i in range(24)]
+    try:
+        with DecoderClient(shm_name, slots=8, timeout=60) as client:
+
+            async def run():
+                asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
+                tasks = [asyncio.ensure_future(client.decode_async(*r, dtype="float32")) for r in reqs]
+                await asyncio.sleep(0.05)
+                await asyncio.to_thread(_stop, server, thread)  # the decoder restarts under load
+                new = DecoderServer(reference_model(), shm_name, slots=8, lanes=1)
+                new.start_thread()
+                results = await asyncio.gather(*tasks)
+                gc.collect()
+                await asyncio.sleep(0.2)
+                return new, results
+
+            new, results = asyncio.run(run())
+        for req, pcm in zip(reqs, results):
+            np.testing.assert_allclose(pcm, _lone(req), atol=1e-5, rtol=0)
+        gc.collect()
+        assert logged == []
+    finally:
+        if "new" in locals():
+            new.close()
+        else:
+            _stop(server, thread)

@@ -590,7 +590,7 @@ def test_queued_requests_fail_fast_once_the_server_stopped_with_no_successor(shm
     failed = [o for o in outcomes if isinstance(o, BaseException)]
     assert failed and all(isinstance(o, ServerUnavailableError) for o in failed), outcomes
     assert all("stopped" in str(o) for o in failed)
-    assert elapsed < 10  # the 2 s grace, not the 30 s timeout
+    assert elapsed < 15  # the 5 s grace, not the 30 s timeout
 
 
 def test_async_calls_across_a_restart_leave_nothing_in_the_users_log(shm_name):

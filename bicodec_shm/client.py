@@ -70,6 +70,9 @@ class DecoderClient:
         connect_timeout: seconds to wait for a server at construction (0: fail at once with
             ``ServerUnavailableError``).
         owner_uid: the uid that must own the server's segment (default: this process's).
+        stop_grace: seconds requests wait for a successor after their server stopped on
+            purpose (SIGTERM, Ctrl-C) before failing with ``ServerUnavailableError``; raise
+            it where a rolling restart's new server takes long to start.
 
     Thread-safe and asyncio-safe; one handle can serve many threads and coroutines.
 
@@ -90,6 +93,7 @@ class DecoderClient:
         slots: int = DEFAULT_CLIENT_SLOTS,
         connect_timeout: float = 0.0,
         owner_uid: int | None = None,
+        stop_grace: float = STOP_GRACE,
     ) -> None:
         validate_name(name)
         if slots < 1:
@@ -100,6 +104,7 @@ class DecoderClient:
         self.timeout = timeout
         self.max_slots = slots
         self.owner_uid = owner_uid
+        self.stop_grace = stop_grace
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._requests = 0
@@ -345,13 +350,13 @@ class DecoderClient:
                 f"the decoder server {self.name!r} is gone and no new one started before the "
                 f"request's deadline ({self._last_error}){_served_hint(self.name)}"
             )
-        if stopped is not None and now >= stopped + STOP_GRACE:
+        if stopped is not None and now >= stopped + self.stop_grace:
             if probe(self.name) is ServerState.BUSY:
                 self._stopped_at = now  # a successor is starting (it owns the name): wait on
                 return
             raise ServerUnavailableError(
                 f"the decoder server {self.name!r} stopped (SIGTERM or Ctrl-C) and no new server "
-                f"took the name within {STOP_GRACE:g} s{_served_hint(self.name)}"
+                f"took the name within {self.stop_grace:g} s{_served_hint(self.name)}"
             )
 
     def _regroup(self, group: GroupRouter) -> None:

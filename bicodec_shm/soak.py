@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .client import STOP_GRACE
 from .processes import serve_command, stop_server, wait_until_serving
 from .transport import SlotState, ServerState, leftover_objects, probe, random_name, read_header, unlink_all
 
@@ -96,8 +97,8 @@ def client_main(argv: list[str]) -> int:
     from .client import DecoderClient
     from .errors import BiCodecShmError
 
-    name, pool_path, log_path, seed, stop_file, forks_path, interrupt_share, garbage_share = argv
-    interrupt_share, garbage_share = float(interrupt_share), float(garbage_share)
+    name, pool_path, log_path, seed, stop_file, forks_path, interrupt_share, garbage_share, grace = argv
+    interrupt_share, garbage_share, grace = float(interrupt_share), float(garbage_share), float(grace)
     with np.load(pool_path) as z:  # read it all now: a lazy NpzFile is not thread- or fork-safe
         pool = {key: z[key] for key in z.files}
     count = len([k for k in pool if k.startswith("sem_")])
@@ -120,7 +121,11 @@ def client_main(argv: list[str]) -> int:
         attachment.time = _GarbageClock(garbage_share)  # what submit() writes as t_submit_ns
     log = open(log_path, "a", buffering=1)
     log_lock = threading.Lock()
-    handle = [DecoderClient(name, slots=3, timeout=60, connect_timeout=60)]  # replaced on close
+
+    def connect() -> DecoderClient:
+        return DecoderClient(name, slots=3, timeout=60, connect_timeout=60, stop_grace=grace)
+
+    handle = [connect()]  # replaced on close
 
     def note(line: str) -> None:
         with log_lock:
@@ -146,6 +151,9 @@ def client_main(argv: list[str]) -> int:
         except (BiCodecShmError, Interrupted) as exc:
             signal.setitimer(signal.ITIMER_REAL, 0)
             note(f"E {i} {type(exc).__name__}")
+            if os.environ.get("BICODEC_SHM_SOAK_DEBUG"):
+                with open(log_path + ".errors", "a") as f:
+                    f.write(f"{time.monotonic():.3f} sync {exc}\n")
             return
         note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
 
@@ -159,6 +167,9 @@ def client_main(argv: list[str]) -> int:
                 pcm = await handle[0].decode_async(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
             except BiCodecShmError as exc:
                 note(f"E {i} {type(exc).__name__}")
+                if os.environ.get("BICODEC_SHM_SOAK_DEBUG"):
+                    with open(log_path + ".errors", "a") as f:
+                        f.write(f"{time.monotonic():.3f} async {exc}\n")
                 return
             note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
 
@@ -173,7 +184,7 @@ def client_main(argv: list[str]) -> int:
     while not os.path.exists(stop_file):
         if close_asked.is_set():  # close with the async thread's calls in flight, then reopen
             close_asked.clear()
-            old, handle[0] = handle[0], DecoderClient(name, slots=3, timeout=60, connect_timeout=60)
+            old, handle[0] = handle[0], connect()
             old.close()
         if fork_asked.is_set():
             fork_asked.clear()
@@ -264,7 +275,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
         log = os.path.join(work, f"client-{len(logs)}.log")
         cmd = [sys.executable, "-m", "bicodec_shm.soak", "client", name, pool, log,
                str(rng.randrange(2**31)), stop_file, forks_path, str(args.interrupt_share),
-               str(args.garbage_share)]  # fmt: skip
+               str(args.garbage_share), str(args.stop_grace)]  # fmt: skip
         clients[k] = (subprocess.Popen(cmd), log)
 
     def next_time(every: float, now: float) -> float:
@@ -562,6 +573,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of synchronous calls interrupted by KeyboardInterrupt")
     p.add_argument("--garbage-share", type=float, default=DEFAULT_GARBAGE_SHARE,
                    help="share of requests with a garbage submit time")
+    p.add_argument("--stop-grace", type=float, default=STOP_GRACE,
+                   help="the clients' stop_grace: seconds to wait for a rolling restart's new server")
     p.add_argument("--group", action="store_true",
                    help="serve with a group of two members (server kills hit one member)")
     p.add_argument("--preset", default="tiny", choices=("tiny", "spark-tts-0.5b"),

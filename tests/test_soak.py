@@ -55,6 +55,7 @@ def test_soak_help_shows_every_default_and_the_defaults_are_the_full_fault_mix(c
     assert shown == {"--duration": "60.0", "--clients": "8", "--kill-every": "1.0",
                      "--kill-server-every": "20.0", "--term-server-every": "15.0",
                      "--fork-every": "4.0", "--close-every": "5.0", "--stop-every": "8.0",
-                     "--interrupt-share": "0.03", "--garbage-share": "0.03", "--seed": "0", "--slots": "64", "--pool": "48",
+                     "--interrupt-share": "0.03", "--garbage-share": "0.03", "--stop-grace": "5.0",
+                     "--seed": "0", "--slots": "64", "--pool": "48",
                      "--max-len": "150", "--json": "None"}  # fmt: skip
     assert "the server's architecture (random weights) (default: tiny)" in options

@@ -148,14 +148,13 @@ class NodeDecoder:
         os._exit(1)
 
     def info(self) -> dict[str, Any]:
-        """Where this decoder runs: its name, node, server pid and whether Ray restarted it."""
+        """Where this decoder runs: its name, node, server pid and actor pid."""
         context = ray.get_runtime_context()
         return {
             "name": self.name,
             "node_id": context.get_node_id(),
             "server_pid": _server_pid(self.name),
             "actor_pid": os.getpid(),
-            "restarted": context.was_current_actor_reconstructed,
         }
 
     def stop(self, timeout: float = 60.0) -> int | None:

@@ -23,9 +23,10 @@ TTS replicas::
   the node batches into the same forward passes; no audio crosses the network.
 - **Restarts.** If the server dies the actor exits, and Ray restarts it (``max_restarts=-1``) on
   the same node with a new server under the same name; the replicas' clients resubmit what was
-  in flight, as after any restart. If the actor dies (SIGKILL, ``ray stop``), the kernel sends
-  the server SIGTERM (PR_SET_PDEATHSIG): it finishes its batches and unlinks its segment. When
-  a node leaves, its decoder and its replicas go with it.
+  in flight, as after any restart. If the actor dies (SIGKILL, ``ray stop``), the server gets
+  SIGTERM (PR_SET_PDEATHSIG, through a keeper process that takes the SIGKILL Ray sends a dead
+  worker's children): it finishes its batches and unlinks its segment. When a node leaves, its
+  decoder and its replicas go with it.
 
 Ray itself is the ``[ray]`` extra: ``pip install "bicodec-shm[ray]"``.
 """
@@ -101,7 +102,7 @@ def actor_name(node_id: str, prefix: str = DEFAULT_PREFIX) -> str:
 class NodeDecoder:
     """The actor that owns one node's ``bicodec-shm serve`` process (see the module docstring).
 
-    The server runs as a child of a thread that lives as long as the actor, so that its
+    The server's keeper runs as a child of a thread that lives as long as the actor, so that its
     PR_SET_PDEATHSIG (which fires when the forking *thread* exits) fires only when the actor
     process dies. The constructor returns once the server serves, or raises if it exits first
     (a bad model folder, a bad option): Ray then reports the actor dead with that error instead
@@ -126,6 +127,8 @@ class NodeDecoder:
             raise BiCodecShmError(f"could not start {command}: {self._spawn_error}")
         wait_until_serving(name, self._keeper, timeout=start_timeout)
         self._served.set()
+        if self._keeper.poll() is not None:  # died just after serving, before _served was set
+            os._exit(1)
 
     def _own_server(self, command: list[str]) -> None:
         """The thread that starts the keeper, and ends the actor when the server dies."""

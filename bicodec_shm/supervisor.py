@@ -25,19 +25,17 @@ signals, and nothing it does is on a request's path.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import BiCodecShmError, ServerAlreadyRunningError
+from .errors import ServerAlreadyRunningError
 from .group import MAX_MEMBERS, GroupObject, member_names, validate_group_name
-from .processes import on_stop_signals
+from .processes import die_with_parent, on_stop_signals
 from .transport import DEFAULT_MODE, ServerState, is_stopping, probe, unlink_all
 
 log = logging.getLogger("bicodec_shm.supervisor")
@@ -49,7 +47,6 @@ STABLE_AFTER = 60.0  # a member that ran this long before dying restarts after B
 DEFAULT_START_WAIT = 30.0  # seconds to wait for a group that is stopping under the same name
 DEFAULT_STOP_TIMEOUT = 120.0  # seconds members get to finish their batches before SIGKILL
 MEMBER_NAME_GRACE = 5.0  # seconds a member's name may stay served by a dying earlier server
-_PR_SET_PDEATHSIG = 1
 
 
 def parse_devices(text: str) -> list[str]:
@@ -237,7 +234,7 @@ class Supervisor:
     def _start(self, m: Member) -> None:
         env = {**os.environ, **m.env} if m.env else None
         m.proc = subprocess.Popen(m.command, stdin=subprocess.DEVNULL, env=env,
-                                  preexec_fn=_die_with_parent())  # fmt: skip
+                                  preexec_fn=die_with_parent())  # fmt: skip
         m.started = time.monotonic()
         m.serving = False
 
@@ -334,21 +331,3 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def _die_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn`` that makes the kernel send the member SIGTERM when the supervisor dies.
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; members are only
-    started from the supervisor's main thread, which lives as long as the supervisor.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            raise BiCodecShmError("prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the supervisor died before the prctl took effect
-            os._exit(1)
-
-    return preexec

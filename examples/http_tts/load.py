@@ -55,6 +55,7 @@ class Result:
     case: Case
     status: int = 0
     content_type: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
     latency_s: float = 0.0
     chunks: int = 0
@@ -136,6 +137,7 @@ async def run_load(url: str, cases: list[Case], *, concurrency: int = 64,
                             parts.append(part)
                         result.status, result.body, result.chunks = r.status_code, b"".join(parts), len(parts)
                         result.content_type = r.headers.get("content-type", "")
+                        result.headers = dict(r.headers)
                 except httpx.HTTPError as exc:
                     result.transport_error = f"{type(exc).__name__}: {exc}"
                 result.latency_s = time.perf_counter() - t0

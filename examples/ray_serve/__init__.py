@@ -1,0 +1,1 @@
+"""Ray Serve in front of one shared decoder per node: see README.md here."""

@@ -533,7 +533,7 @@ WATCH_COLUMNS = (f"{'time':<19}  {'req/s':>7}  {'batch/s':>7}  {'audio s/s':>9} 
 def interval_rates(before: dict, after: dict, seconds: float) -> dict:
     """Rates between two ``stats_from_header`` snapshots taken ``seconds`` apart.
 
-    Audio seconds come from the real (unpadded) tokens decoded: 50 tokens a second.
+    Audio seconds come from the real (unpadded) frames decoded (BiCodec: 50 tokens a second).
     """
     seconds = max(seconds, 1e-9)
     requests = after["requests"] - before["requests"]
@@ -547,7 +547,7 @@ def interval_rates(before: dict, after: dict, seconds: float) -> dict:
         "failed": after["failed"] - before["failed"],
         "requests_per_s": requests / seconds,
         "batches_per_s": batches / seconds,
-        "audio_s_per_s": (after["tokens"] - before["tokens"]) / TOKENS_PER_SECOND / seconds,
+        "audio_s_per_s": (after["tokens"] - before["tokens"]) / _frames_per_second(after) / seconds,
         "avg_batch_size": rows / batches if batches else 0.0,
         "avg_queue_wait_ms": queued_ms / completed if completed else 0.0,
     }
@@ -597,11 +597,18 @@ def format_group_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
+def _frames_per_second(stats: dict) -> float:
+    """Frames (BiCodec: tokens) per second of audio of the codec ``stats`` names."""
+    try:
+        return get_layout(stats.get("codec", "bicodec")).frame_rate
+    except ValueError:
+        return TOKENS_PER_SECOND
+
+
 def stats_rows(stats: dict) -> list[tuple[str, object]]:
     """The rows of ``format_stats`` after the segment's name."""
     return [
         ("server pid", f"{stats['server_pid']} ({'alive' if stats.get('server_alive') else 'dead'})"),
-        ("codec", stats.get("codec", "-")),
         ("slots / max tokens", f"{stats['slots']} / {stats['max_tokens']}"),
         ("requests", stats["requests"]),
         ("failed", stats["failed"]),
@@ -612,6 +619,7 @@ def stats_rows(stats: dict) -> list[tuple[str, object]]:
         ("tokens (padded)", f"{stats['tokens']} ({stats['padded_tokens']})"),
         ("reclaimed slots", stats["reclaimed"]),
         ("batch sizes", " ".join(f"{b}:{n}" for b, n in stats["batch_size_histogram"].items()) or "-"),
+        ("codec", stats.get("codec", "-")),
     ]
 
 

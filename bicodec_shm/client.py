@@ -200,7 +200,8 @@ class DecoderClient:
 
     async def decode_orpheus_async(self, token_ids: Any, *, base: int = AUDIO_TOKEN_BASE,
                                    noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
-                                   dtype: str = "int16", timeout: float | None = None) -> np.ndarray:  # fmt: skip
+                                   dtype: str = "int16",
+                                   timeout: float | None = None) -> np.ndarray:  # fmt: skip
         """``decode_orpheus`` for asyncio."""
         request = self._prepare_codes(orpheus_to_codes(token_ids, base=base), None, noise_seed,
                                       noise, dtype, "snac-24khz", kind="orpheus")  # fmt: skip
@@ -504,7 +505,8 @@ def _fit(att: Attachment, request: _Request) -> None:
     request.levels[0], request.global_ids = _fit_bicodec(att, request.levels[0], request.global_ids)
 
 
-def _fit_bicodec(att: Attachment, semantic: np.ndarray, globals_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _fit_bicodec(att: Attachment, semantic: np.ndarray,
+                 globals_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     if (
         semantic.shape[0] > att.max_tokens
         or int(semantic.max()) >= att.semantic_vocab
@@ -533,7 +535,8 @@ def _check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -
         "orpheus": "Orpheus tokens need a `serve --codec snac-24khz` server",
     }.get(kind, f"start a `serve --codec {wanted}` server, or send {served.name} codes")
     what = {"bicodec": "decode() sends BiCodec semantic and global ids",
-            "orpheus": "Orpheus audio tokens are snac-24khz codes"}.get(kind, f"these are {wanted} codes")  # fmt: skip
+            "orpheus": "Orpheus audio tokens are snac-24khz codes",
+            }.get(kind, f"these are {wanted} codes")  # fmt: skip
     raise ValueError(f"{what}, but {name!r} serves {served.name} ({served.describe()}): {hint}")
 
 

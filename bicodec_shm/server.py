@@ -230,7 +230,8 @@ class DecoderServer:
             "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
             "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d (threads each: %s), mode=%o, "
             "segment %.1f MiB",
-            name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms, max_batch_tokens, min_fill,
+            name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
+            max_batch_tokens, min_fill,
             self.device, self.lanes, self.threads_per_lane, mode,
             self._segment.layout.total_size / 2**20,
         )  # fmt: skip

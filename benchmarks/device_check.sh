@@ -40,6 +40,8 @@
 #   bench_throughput     python -m bicodec_shm bench --device cuda:0 (BENCH_FLAGS): N = 1, 4, 16,
 #                32; the decoder per process only up to N = 16 -> bench_throughput.json
 #                (rewritten after every run)
+#   bench_snac   benchmarks/bench_snac_model.py --variant snac-24khz on cuda:0 (Orpheus's codec):
+#                cost per frame at B 1 and 16, batched vs lone, FLOPs -> bench_snac.json
 #   summary.txt  each step's exit code and seconds, then the numbers the targets ask for
 #
 # Files: every step writes into a scratch folder ($SCRATCH, default a fresh /tmp folder); after
@@ -62,7 +64,7 @@ WHEELS="${WHEELS:-$ROOT/.whl}"
 SITE="${SITE:-/tmp/site}"
 DTYPES="${DTYPES:-float32 bfloat16 float16}"
 DEADLINE_S="${DEADLINE_S:-420}"
-ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 bench_throughput bench_model_float16"
+ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 bench_throughput bench_snac bench_model_float16"
 STEPS="${STEPS:-$ALL_STEPS}"
 # `bicodec-shm bench` flags: N clients; one 5 s window per system and N (the GPU decodes in ms,
 # so 5 s holds thousands of requests); the decoder per process only up to N = 16 (32 processes
@@ -235,6 +237,9 @@ done
 # shellcheck disable=SC2086  # BENCH_FLAGS is a list of words
 run_step bench_throughput 150 "$PY" -m bicodec_shm bench --device cuda:0 $BENCH_FLAGS \
     --json "$SCRATCH/bench_throughput.json"
+# SNAC 24 kHz (Orpheus): short, one shape pair; the batched rows against their lone decodes too.
+run_step bench_snac 40 "$PY" benchmarks/bench_snac_model.py --variant snac-24khz --device cuda:0 \
+    --lengths 12,47 --batch-sizes 1,16 --repeats 3 --json "$SCRATCH/bench_snac.json"
 case " $DTYPES " in *" float16 "*) [ "$first" = float16 ] || bench_model float16 45 ;; esac
 
 # --- summary ------------------------------------------------------------------------------------

@@ -43,14 +43,15 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import posix_ipc
 
+from .codecs.layout import DEFAULT_NOISE_SEED
 from .errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
-from .transport import CLAIMED, FREE, N_GLOBAL, NO_BELL, READY, OutputDtype, Phase, Segment, Status, drain
+from .transport import CLAIMED, FREE, NO_BELL, READY, OutputDtype, Phase, Segment, Status, drain
 
 SLICE = 0.1  # seconds a waiter sleeps before checking that its server still serves
 _FLOAT32 = int(OutputDtype.FLOAT32)
@@ -83,6 +84,7 @@ class Attachment:
         self.semantic_vocab = int(header["semantic_vocab"])
         self.global_vocab = int(header["global_vocab"])
         self.max_tokens = int(header["max_tokens"])
+        self.codec = self.segment.codec  # the served codec's token layout (codecs.CodecLayout)
         self.n_slots = int(header["n_slots"])
         self.name = name
         self.max_slots = max_slots
@@ -394,16 +396,27 @@ class Attachment:
 
     # -- one request ---------------------------------------------------------------------------
 
-    def submit(self, slot: int, seq: int, semantic: np.ndarray, global_ids: np.ndarray,
-               dtype: int, notify: int) -> None:  # fmt: skip
-        """Write request ``seq`` into ``slot`` and ring the server."""
+    def submit(self, slot: int, seq: int, semantic: np.ndarray | Sequence[np.ndarray],
+               global_ids: np.ndarray | None, dtype: int, notify: int, *,
+               noise_seed: int = DEFAULT_NOISE_SEED, flags: int = 0) -> None:  # fmt: skip
+        """Write request ``seq`` into ``slot`` and ring the server.
+
+        ``semantic``: level 0's codes (T,) int32, or every level's codes (validated against
+        ``self.codec``); ``global_ids`` (n_global,) int32, or None for a codec without them."""
         with self.use() as seg:
-            n = semantic.shape[0]
-            seg.tokens[slot, :n] = semantic  # payload first ...
-            seg.globals[slot] = global_ids
+            levels = [semantic] if isinstance(semantic, np.ndarray) else semantic
+            n = levels[0].shape[0]
+            seg.tokens[slot, :n] = levels[0]  # payload first ...
+            for i in range(1, len(levels)):
+                start = seg.layout.level_offset(i)
+                seg.tokens[slot, start : start + levels[i].shape[0]] = levels[i]
+            if global_ids is not None:
+                seg.globals[slot] = global_ids
             f = seg.field
             f["n_tokens"][slot] = n
-            f["n_global"][slot] = N_GLOBAL
+            f["n_global"][slot] = seg.codec.n_global
+            f["noise_seed"][slot] = noise_seed
+            f["flags"][slot] = flags
             f["dtype"][slot] = dtype
             f["notify"][slot] = notify
             seg.request_id[slot] = (self.handle_id, self.generation[slot], seq)  # its identity

@@ -25,6 +25,7 @@ from .batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
+from .codecs.layout import get_layout
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import GroupInfo, group_stats, read_group, validate_group_name
 from .served import describe_served
@@ -54,6 +55,9 @@ SAMPLE_RATE = 16_000
 TOKENS_PER_SECOND = 50  # semantic tokens per second of 16 kHz audio (hop 320)
 _sleep = time.sleep  # `stats --watch` between samples; tests replace it to drive the intervals
 PRESETS = ("spark-tts-0.5b", "tiny")
+# Codecs `serve --codec` knows; each SNAC variant has a full-size and a tiny preset.
+CODECS = ("bicodec", "snac-24khz", "snac-32khz", "snac-44khz")
+SNAC_PRESETS = tuple(f"{size}-{rate}" for rate in ("24khz", "32khz", "44khz") for size in ("snac", "tiny"))
 # transport.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
 MAX_TOKENS_LIMIT = 100_000
 # How long `serve` waits for a live server under its name to stop before refusing (a rolling
@@ -98,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the decoder server (owns the model and the segment)")
     _add_model_args(s)
+    s.add_argument("--codec", default="bicodec", choices=CODECS,
+                   help="the codec served (default bicodec); snac-24khz is Orpheus TTS's")  # fmt: skip
     s.add_argument("--name", default=DEFAULT_NAME,
                    help=f"segment name clients attach to (default {DEFAULT_NAME})")  # fmt: skip
     _add_server_args(s)
@@ -109,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on PORT (needs: pip install 'bicodec-shm[metrics]')")
     s.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
-    s.set_defaults(func=_cmd_serve)
+    s.set_defaults(func=_cmd_serve, max_tokens=None)  # None: 30 s of the codec's audio
 
     st = sub.add_parser("stats", help="print a server's live counters")
     st.add_argument("name", nargs="?", default=DEFAULT_NAME)
@@ -138,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-len", type=int, default=75, help="longest request in tokens")
     d.add_argument("--check", type=int, default=4, help="results to verify locally (default 4)")
     d.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
-    d.set_defaults(func=_cmd_demo)
+    d.set_defaults(func=_cmd_demo, preset="spark-tts-0.5b")
 
     from .soak import HELP_FORMATTER as SOAK_HELP_FORMATTER
     from .soak import add_arguments as add_soak_arguments
@@ -163,9 +169,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
-                   help="a Spark-TTS model folder or its BiCodec/ folder")  # fmt: skip
-    p.add_argument("--preset", default="spark-tts-0.5b", choices=PRESETS,
-                   help="architecture with random weights when no --model-dir is given")  # fmt: skip
+                   help="a Spark-TTS model folder or its BiCodec/ folder; for SNAC a folder with "
+                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz)")  # fmt: skip
+    p.add_argument("--preset", default=None, choices=PRESETS + SNAC_PRESETS,
+                   help="architecture with random weights when no --model-dir is given (default: "
+                        "the codec's full size; tiny: a small one of the same token layout)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--device", default="cpu",
                    help="torch device, e.g. cuda:0; for serve, several separated by commas "
@@ -192,7 +200,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_MAX_BATCH_TOKENS} on CPU, "
                         f"{DEFAULT_CUDA_MAX_BATCH_TOKENS} on CUDA")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="longest request accepted, in tokens (1500 = 30 s)")  # fmt: skip
+                   help="longest request accepted, in frames (BiCodec: tokens); default 30 s of "
+                        "audio (BiCodec 1500, SNAC 24 kHz 352)")  # fmt: skip
     p.add_argument("--min-fill", type=float, default=DEFAULT_MIN_FILL,
                    help="a row joins a batch only if its shortest row stays >= this share of its "
                         f"longest (default {DEFAULT_MIN_FILL})")  # fmt: skip
@@ -230,6 +239,7 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
 
     from .model import BiCodecDecoder
     from .model.buckets import BucketGrid
+    from .model.snac import SNACDecoder
     from .model.devices import resolve_device
     from .model.graphs import GraphedDecoder
 
@@ -240,22 +250,51 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
         raise ValueError(f"--cuda-graphs needs a CUDA --device, got {args.device!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    codec = getattr(args, "codec", "bicodec")
+    preset = resolve_preset(codec, args.preset)
+    if graphs and codec != "bicodec":
+        raise ValueError(f"--cuda-graphs replays BiCodec only; serve {codec} without it")
+    model = BiCodecDecoder if codec == "bicodec" else SNACDecoder
     if args.model_dir:
-        decoder = BiCodecDecoder.from_pretrained(args.model_dir, device=device, dtype=dtype)
+        decoder = model.from_pretrained(args.model_dir, device=device, dtype=dtype)
+        loaded = getattr(decoder.config, "codec_name", "bicodec")
+        if loaded != codec:
+            raise ValueError(f"--model-dir {args.model_dir} holds a {loaded} model, but --codec is {codec}")
     else:
         if announce:
             print(
-                f"bicodec-shm: no --model-dir given: serving the {args.preset} architecture with "
+                f"bicodec-shm: no --model-dir given: serving the {preset} architecture with "
                 f"RANDOM weights (seed {args.seed}); the audio is noise",
                 file=sys.stderr,
             )
-        decoder = BiCodecDecoder.from_config(args.preset, seed=args.seed, dtype=dtype).to(device)
+        decoder = model.from_config(preset, seed=args.seed, dtype=dtype).to(device)
     if graphs:
         # Buckets up to the batches this server forms: with max_batch 16 and the CUDA token
         # budget (batching.py), 16 x 50 and 8 x 300 are buckets, so they replay unpadded.
         grid = BucketGrid.for_max_batch(getattr(args, "max_batch", DEFAULT_MAX_BATCH))
         decoder = GraphedDecoder(decoder, grid=grid, memory_gib=args.graph_memory_gib, mode="graphs")
     return decoder
+
+
+def resolve_preset(codec: str, preset: str | None) -> str:
+    """The model preset of ``--codec`` and ``--preset``: None is the codec's full size, "tiny"
+    its tiny one (tiny-24khz for snac-24khz); a preset of another codec is refused."""
+    if codec == "bicodec":
+        if preset in SNAC_PRESETS:
+            raise ValueError(f"--preset {preset} is a SNAC model; add --codec snac-{preset.split('-')[1]}")
+        return preset or "spark-tts-0.5b"
+    rate = codec.split("-")[1]
+    if preset is None or preset == codec:
+        return codec
+    if preset in ("tiny", f"tiny-{rate}"):
+        return f"tiny-{rate}"
+    raise ValueError(f"--preset {preset} is not a {codec} model; use tiny, tiny-{rate} or {codec}")
+
+
+def default_max_frames(codec: str) -> int:
+    """Frames of 30 s of ``codec``'s audio: the default --max-tokens (BiCodec: 1500)."""
+    layout = get_layout(codec)
+    return -(-30 * layout.sample_rate // layout.samples_per_frame)
 
 
 def _check_mode(mode: int, *, allow_world: bool) -> None:
@@ -275,6 +314,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _check_mode(args.mode, allow_world=args.allow_world_access)
     group = "," in args.device
     (validate_group_name if group else validate_name)(args.name)
+    resolve_preset(args.codec, args.preset)
+    if args.max_tokens is None:
+        args.max_tokens = default_max_frames(args.codec)
+    codec = get_layout(args.codec)
     check_server_args(args)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -284,7 +327,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .supervisor import parse_devices, serve_group
 
         devices = parse_devices(args.device)
-        check_free_space(len(devices) * Layout(args.slots, args.max_tokens).total_size)
+        check_free_space(len(devices) * Layout(args.slots, args.max_tokens, codec).total_size)
         wait_for_name(args.name)
         return serve_group(args.name, devices, args.argv, mode=args.mode,
                            metrics_port=args.metrics_port)  # fmt: skip
@@ -292,7 +335,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .metrics import require_prometheus_client
 
         require_prometheus_client()
-    check_free_space(Layout(args.slots, args.max_tokens).total_size)
+    check_free_space(Layout(args.slots, args.max_tokens, codec).total_size)
     wait_for_name(args.name)
     # Own the name before the model loads: while it loads the name reads as "starting", so the
     # clients of a server that just stopped (a rolling restart) wait for this one.
@@ -490,7 +533,7 @@ WATCH_COLUMNS = (f"{'time':<19}  {'req/s':>7}  {'batch/s':>7}  {'audio s/s':>9} 
 def interval_rates(before: dict, after: dict, seconds: float) -> dict:
     """Rates between two ``stats_from_header`` snapshots taken ``seconds`` apart.
 
-    Audio seconds come from the real (unpadded) tokens decoded: 50 tokens a second.
+    Audio seconds come from the real (unpadded) frames decoded (BiCodec: 50 tokens a second).
     """
     seconds = max(seconds, 1e-9)
     requests = after["requests"] - before["requests"]
@@ -504,7 +547,7 @@ def interval_rates(before: dict, after: dict, seconds: float) -> dict:
         "failed": after["failed"] - before["failed"],
         "requests_per_s": requests / seconds,
         "batches_per_s": batches / seconds,
-        "audio_s_per_s": (after["tokens"] - before["tokens"]) / TOKENS_PER_SECOND / seconds,
+        "audio_s_per_s": (after["tokens"] - before["tokens"]) / _frames_per_second(after) / seconds,
         "avg_batch_size": rows / batches if batches else 0.0,
         "avg_queue_wait_ms": queued_ms / completed if completed else 0.0,
     }
@@ -554,6 +597,14 @@ def format_group_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
+def _frames_per_second(stats: dict) -> float:
+    """Frames (BiCodec: tokens) per second of audio of the codec ``stats`` names."""
+    try:
+        return get_layout(stats.get("codec", "bicodec")).frame_rate
+    except ValueError:
+        return TOKENS_PER_SECOND
+
+
 def stats_rows(stats: dict) -> list[tuple[str, object]]:
     """The rows of ``format_stats`` after the segment's name."""
     return [
@@ -568,6 +619,7 @@ def stats_rows(stats: dict) -> list[tuple[str, object]]:
         ("tokens (padded)", f"{stats['tokens']} ({stats['padded_tokens']})"),
         ("reclaimed slots", stats["reclaimed"]),
         ("batch sizes", " ".join(f"{b}:{n}" for b, n in stats["batch_size_histogram"].items()) or "-"),
+        ("codec", stats.get("codec", "-")),
     ]
 
 

@@ -17,6 +17,12 @@ module decides *which* attachment a request uses and what the caller sees:
   parent's slots (transport.py closes the child's copies of every lock descriptor at fork).
 
 Every exception a caller sees is a ``ValueError`` (bad input) or a ``BiCodecShmError``.
+
+Codecs: the server names its codec and token layout in the segment header (transport.py).
+``decode`` sends BiCodec's semantic and global ids; ``decode_codes`` sends any codec's code
+levels (SNAC's 3 or 4), ``decode_orpheus`` Orpheus's audio token ids (SNAC 24 kHz). Each is
+checked against the layout of the server that will decode it, and a request for another codec
+is refused with a ``ValueError`` naming both.
 """
 
 from __future__ import annotations
@@ -26,15 +32,18 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .attachment import SLICE, Attachment, Gone
+from .codecs.layout import DEFAULT_NOISE_SEED, LAYOUTS, CodecLayout, check_noise_seed, check_request
+from .codecs.orpheus import AUDIO_TOKEN_BASE, orpheus_to_codes
 from .errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
 from .group import GroupRouter, read_group
 from .served import describe_served
-from .transport import N_GLOBAL, NO_BELL, ServerState, probe, stats_from_header, validate_name
+from .transport import FLAG_NO_NOISE, N_GLOBAL, NO_BELL, ServerState, probe, stats_from_header, validate_name
 from .validation import as_token_array, output_dtype_code
 
 DEFAULT_TIMEOUT = 30.0
@@ -47,6 +56,20 @@ DEFAULT_CLIENT_SLOTS = 8
 STOP_GRACE = 5.0
 
 _live_clients: weakref.WeakSet[DecoderClient] = weakref.WeakSet()
+
+
+@dataclass
+class _Request:
+    """A validated request: what ``Attachment.submit`` writes."""
+
+    kind: str  # "bicodec" (decode), "orpheus" (snac-24khz codes) or "codes" (decode_codes)
+    codec: str | None  # the codec the caller named (decode_codes(codec=...)), else None
+    levels: list[np.ndarray]  # (T·r_i,) int32 per level; BiCodec: [semantic]
+    global_ids: np.ndarray | None  # (n_global,) int32, or None for a codec without them
+    dtype: int  # OutputDtype
+    noise_seed: int = DEFAULT_NOISE_SEED
+    flags: int = 0  # FLAG_NO_NOISE
+    checked: CodecLayout | None = None  # the layout it was last checked against
 
 
 def _after_fork_in_child() -> None:
@@ -130,19 +153,84 @@ class DecoderClient:
             timeout: seconds for this call (default: the handle's).
         Returns:
             (320·T,) int16 or float32 samples at 16 kHz.
+        Raises:
+            ValueError: bad ids, or a server that serves another codec than BiCodec.
         """
-        semantic, globals_, code = self._prepare(semantic_ids, global_ids, dtype)
+        return self._decode(self._prepare(semantic_ids, global_ids, dtype), timeout)
+
+    def decode_codes(self, levels: Any, *, global_ids: Any = None,
+                     noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
+                     dtype: str = "int16", codec: str | None = None,
+                     timeout: float | None = None) -> np.ndarray:  # fmt: skip
+        """Decode one utterance given as code levels, for the codec the server serves (SNAC).
+
+        Args:
+            levels: one 1-D sequence of ids per level, coarsest first; for ``n`` frames level
+                ``i`` holds ``n·rate_i`` ids (SNAC 24 kHz: (n,), (2n,), (4n,)).
+            global_ids: for a codec that takes them (BiCodec's 32), else None.
+            noise_seed: SNAC's decoder noise is a pure function of this seed (in [0, 2**63);
+                default ``codecs.DEFAULT_NOISE_SEED`` = 0): the same codes and seed always
+                give the same audio, alone or batched.
+            noise: False decodes without SNAC's noise.
+            dtype: "int16" or "float32".
+            codec: the codec the codes are for (``"snac-24khz"``, ...); if given, a server of
+                another codec is refused even when the shapes happen to fit.
+            timeout: seconds for this call (default: the handle's).
+        Returns:
+            (samples_per_frame·n,) int16 or float32 samples at the codec's sample rate.
+        Raises:
+            ValueError: before anything is written: a wrong number of levels, lengths that
+                break the rates, an id out of range for its level, global ids a codec does not
+                take, a bad seed, or a server of another codec (naming both).
+        """
+        return self._decode(self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec), timeout)
+
+    async def decode_codes_async(self, levels: Any, *, global_ids: Any = None,
+                                 noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
+                                 dtype: str = "int16", codec: str | None = None,
+                                 timeout: float | None = None) -> np.ndarray:  # fmt: skip
+        """``decode_codes`` for asyncio."""
+        request = self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec)
+        return await self._decode_async(request, timeout)
+
+    def decode_orpheus(self, token_ids: Any, *, base: int = AUDIO_TOKEN_BASE,
+                       noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
+                       dtype: str = "int16", timeout: float | None = None) -> np.ndarray:  # fmt: skip
+        """Decode Orpheus's audio token ids (7 per frame) on a ``snac-24khz`` server.
+
+        ``base``: 128266 for language-model ids (default), 10 for ``<custom_token_N>`` numbers
+        (``codecs.orpheus``). Other arguments as ``decode_codes``. Returns 24 kHz samples.
+        """
+        request = self._prepare_codes(orpheus_to_codes(token_ids, base=base), None, noise_seed,
+                                      noise, dtype, "snac-24khz", kind="orpheus")  # fmt: skip
+        return self._decode(request, timeout)
+
+    async def decode_orpheus_async(self, token_ids: Any, *, base: int = AUDIO_TOKEN_BASE,
+                                   noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
+                                   dtype: str = "int16",
+                                   timeout: float | None = None) -> np.ndarray:  # fmt: skip
+        """``decode_orpheus`` for asyncio."""
+        request = self._prepare_codes(orpheus_to_codes(token_ids, base=base), None, noise_seed,
+                                      noise, dtype, "snac-24khz", kind="orpheus")  # fmt: skip
+        return await self._decode_async(request, timeout)
+
+    @property
+    def codec(self) -> CodecLayout:
+        """The token layout of the codec the server last attached serves."""
+        return self._codec
+
+    def _decode(self, request: _Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         while True:
             att = self._attachment(deadline)
-            semantic, globals_ = _fit(att, semantic, globals_)
+            _fit(att, request)
             try:
                 slot, seq = att.take_slot(deadline)
             except Gone:
                 self._drop(att)
                 continue
             try:
-                att.submit(slot, seq, semantic, globals_, code, NO_BELL)
+                _submit(att, slot, seq, request, NO_BELL)
                 self._requests += 1
                 return att.wait_result(slot, seq, deadline)
             except Gone:
@@ -157,7 +245,9 @@ class DecoderClient:
     async def decode_async(self, semantic_ids: Any, global_ids: Any, *, dtype: str = "int16",
                            timeout: float | None = None) -> np.ndarray:  # fmt: skip
         """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""
-        semantic, globals_, code = self._prepare(semantic_ids, global_ids, dtype)
+        return await self._decode_async(self._prepare(semantic_ids, global_ids, dtype), timeout)
+
+    async def _decode_async(self, request: _Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         loop = asyncio.get_running_loop()
         while True:
@@ -165,7 +255,7 @@ class DecoderClient:
             if att is None:  # the server is being replaced: wait without blocking the loop
                 await asyncio.sleep(SLICE)
                 continue
-            semantic, globals_ = _fit(att, semantic, globals_)
+            _fit(att, request)
             try:
                 slot, seq = await att.take_slot_async(deadline)
             except Gone:
@@ -174,7 +264,7 @@ class DecoderClient:
             future = loop.create_future()
             try:
                 bell = att.register(slot, seq, loop, future)
-                att.submit(slot, seq, semantic, globals_, code, bell)
+                _submit(att, slot, seq, request, bell)
                 self._requests += 1
                 left = deadline - time.monotonic()
                 try:
@@ -249,17 +339,33 @@ class DecoderClient:
 
     # -- request plumbing ---------------------------------------------------------------------
 
-    def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> tuple:
+    def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> _Request:
         """Validate against the limits of the server last attached (``_fit`` checks again
         against the attachment a request actually uses: a server may have been replaced by
         one with other limits, or a group's members may differ)."""
         if self._closed:
             raise self._closed_error()
+        _check_codec("bicodec", None, self._codec, self.name)
         vocab, global_vocab, max_tokens = self._limits
         semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=vocab, max_len=max_tokens)
         globals_ = as_token_array(global_ids, what="global_ids", vocab=global_vocab,
                                   max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
-        return semantic, globals_, output_dtype_code(dtype)
+        return _Request("bicodec", None, [semantic], globals_, output_dtype_code(dtype),
+                        checked=self._codec)  # fmt: skip
+
+    def _prepare_codes(self, levels: Any, global_ids: Any, noise_seed: int, noise: bool,
+                       dtype: str, codec: str | None, *, kind: str = "codes") -> _Request:  # fmt: skip
+        """Validate a code-level request against the layout of the server last attached."""
+        if self._closed:
+            raise self._closed_error()
+        if codec is not None and codec not in LAYOUTS:
+            raise ValueError(f"unknown codec {codec!r}; expected one of {sorted(LAYOUTS)}")
+        if not isinstance(noise, bool):
+            raise ValueError(f"noise must be True or False, got {noise!r}")
+        request = _Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
+                           check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE)  # fmt: skip
+        _check_request(request, self._codec, self._limits[2], self.name)
+        return request
 
     def _deadline(self, timeout: float | None) -> float:
         timeout = self.timeout if timeout is None else timeout
@@ -274,6 +380,7 @@ class DecoderClient:
             try:
                 att = self._connect_once()
                 self._limits = (att.semantic_vocab, att.global_vocab, att.max_tokens)
+                self._codec = att.codec
                 return att
             except ServerUnavailableError as exc:
                 self._last_error = exc
@@ -393,9 +500,20 @@ class DecoderClient:
             self._group.forget_after_fork()
 
 
-def _fit(att: Attachment, semantic: np.ndarray, globals_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _fit(att: Attachment, request: _Request) -> None:
     """Check a validated request against the limits of the server that will decode it, before
-    anything is written (a restarted server may have a smaller --max-tokens)."""
+    anything is written (a restarted server may have a smaller --max-tokens, or serve another
+    codec)."""
+    if request.kind != "bicodec":
+        if request.checked != att.codec or request.levels[0].shape[0] > att.max_tokens:
+            _check_request(request, att.codec, att.max_tokens, att.name)
+        return
+    _check_codec("bicodec", None, att.codec, att.name)
+    request.levels[0], request.global_ids = _fit_bicodec(att, request.levels[0], request.global_ids)
+
+
+def _fit_bicodec(att: Attachment, semantic: np.ndarray,
+                 globals_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     if (
         semantic.shape[0] > att.max_tokens
         or int(semantic.max()) >= att.semantic_vocab
@@ -406,6 +524,48 @@ def _fit(att: Attachment, semantic: np.ndarray, globals_: np.ndarray) -> tuple[n
         globals_ = as_token_array(globals_, what="global_ids", vocab=att.global_vocab,
                                   max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
     return semantic, globals_
+
+
+def _submit(att: Attachment, slot: int, seq: int, request: _Request, bell: int) -> None:
+    att.submit(slot, seq, request.levels, request.global_ids, request.dtype, bell,
+               noise_seed=request.noise_seed, flags=request.flags)  # fmt: skip
+
+
+def _check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -> None:
+    """Refuse a request for another codec than the one ``name`` serves, naming both."""
+    wanted = {"bicodec": "bicodec", "orpheus": "snac-24khz"}.get(kind, codec)
+    if wanted is None or wanted == served.name:
+        return
+    hint = {
+        "bicodec": "send its code levels with decode_codes(levels), or Orpheus tokens with "
+                   "decode_orpheus(token_ids)",
+        "orpheus": "Orpheus tokens need a `serve --codec snac-24khz` server",
+    }.get(kind, f"start a `serve --codec {wanted}` server, or send {served.name} codes")
+    what = {"bicodec": "decode() sends BiCodec semantic and global ids",
+            "orpheus": "Orpheus audio tokens are snac-24khz codes",
+            }.get(kind, f"these are {wanted} codes")  # fmt: skip
+    raise ValueError(f"{what}, but {name!r} serves {served.name} ({served.describe()}): {hint}")
+
+
+def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name: str) -> None:
+    """Validate a code-level request against ``layout`` in place (its levels become int32
+    arrays); a request shaped for another codec is refused naming both codecs."""
+    _check_codec(request.kind, request.codec, layout, name)
+    levels = request.levels
+    n_levels = len(levels) if isinstance(levels, (list, tuple)) else None
+    globs = request.global_ids is not None
+    if n_levels is not None and n_levels != layout.n_levels:
+        guess = sorted(c.name for c in LAYOUTS.values()
+                       if c.n_levels == n_levels and c.takes_global_ids == globs)  # fmt: skip
+        shape = f"{n_levels} code level(s) {'with' if globs else 'without'} global ids"
+        like = f" (the shape of {' or '.join(guess)} codes)" if guess else ""
+        raise ValueError(
+            f"this request has {shape}{like}, but {name!r} serves {layout.name}: "
+            f"{layout.describe()}"
+        )
+    request.levels, request.global_ids, _ = check_request(layout, levels, request.global_ids,
+                                                          max_frames=max_frames)  # fmt: skip
+    request.checked = layout
 
 
 def _discard(future: asyncio.Future) -> None:

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .adapters import codec_adapter
 from .slot_io import Batch
-from .transport import HOP
 
 log = logging.getLogger("bicodec_shm.server")
 
@@ -72,11 +72,14 @@ class Runner:
     Args:
         decoder: ``detokenize(semantic (B,T) int64, global (B,32) int64, lengths (B,) int64)``
             -> float (B, >=320·T) on its device. Given host tensors: it moves them itself.
+            A decoder of another codec provides ``codec_adapter()`` (adapters.py).
         device: where the decoder's output lives.
     """
 
     def __init__(self, decoder: Any, device: torch.device) -> None:
         self.decoder = decoder
+        self.adapter = codec_adapter(decoder)  # how this codec's decoder takes a batch
+        self._spf = self.adapter.layout.samples_per_frame
         if device.type == "cuda" and device.index is None:  # "cuda": the current GPU, named
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -96,12 +99,8 @@ class Runner:
         """
         t0 = time.perf_counter_ns()
         b, t = batch.semantic.shape
-        n = t * HOP
-        out = self.decoder.detokenize(
-            torch.from_numpy(batch.semantic),
-            torch.from_numpy(batch.global_ids),
-            torch.from_numpy(batch.lengths),
-        )
+        n = t * self._spf
+        out = self.adapter.detokenize(batch)
         if out.dim() != 2 or out.shape[0] != b or out.shape[1] < n:
             raise RuntimeError(f"decoder returned shape {tuple(out.shape)}, expected ({b}, {n})")
         dtypes = batch.requests.dtypes

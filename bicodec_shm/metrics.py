@@ -31,7 +31,7 @@ Metrics (Triton's and vLLM's conventions: counters end in ``_total``, times are 
       bicodec_shm_attached_clients                    client handles holding at least one slot
       bicodec_shm_lanes / bicodec_shm_lanes_busy      decode lanes / lanes running a batch
     info
-      bicodec_shm_server_info{name,version,max_batch,max_tokens}   1
+      bicodec_shm_server_info{name,version,codec,max_batch,max_tokens}   1
 
 The time histograms use ``transport.TIME_BUCKETS`` (the header's bins) and count decoded
 requests only: their ``_count`` is ``requests - failed``. Slots are claimed on demand (a quiet
@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MissingExtraError
-from .transport import BUSY, FREE, HIST_BINS, N_STATUS, READY, TIME_BUCKETS, Segment, Status
+from .transport import BUSY, FREE, HIST_BINS, N_STATUS, READY, TIME_BUCKETS, Segment, Status, codec_name
 
 log = logging.getLogger("bicodec_shm.metrics")
 
@@ -154,7 +154,7 @@ def metric_families(header: np.ndarray, state: np.ndarray, handle_id: np.ndarray
           "on demand; a quiet handle keeps one).", len(np.unique(holders[holders != 0])))  # fmt: skip
     gauge("bicodec_shm_lanes", "Decode lanes of the server.", int(h["lanes"]))
     gauge("bicodec_shm_lanes_busy", "Decode lanes running a batch right now.", int(h["busy_lanes"]))
-    info = {"name": name, "version": version, "max_batch": str(int(h["max_batch"])),
+    info = {"name": name, "version": version, "codec": codec_name(h), "max_batch": str(int(h["max_batch"])),
             "max_tokens": str(int(h["max_tokens"]))}  # fmt: skip
     out.append(InfoMetricFamily("bicodec_shm_server", "The server: segment name, package version, limits.",
                                 value=info))  # fmt: skip

@@ -40,6 +40,7 @@ import numpy as np
 import posix_ipc
 import torch
 
+from .adapters import codec_adapter
 from .batching import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_WAIT_MS,
@@ -185,9 +186,9 @@ class DecoderServer:
         # Each CPU lane gets its share of the cores; on CUDA the host threads only launch.
         self.threads_per_lane = None if cuda else max(1, torch.get_num_threads() // self.lanes)
         self._pipeline = cuda
-        config = getattr(decoder, "config", None)
-        self.semantic_vocab = int(getattr(config, "semantic_vocab", 8192))
-        self.global_vocab = int(getattr(config, "global_vocab", 4096))
+        self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
+        self.semantic_vocab = self.codec.level_vocab[0]
+        self.global_vocab = self.codec.global_vocab
         self._pid = os.getpid()
         self._stop = threading.Event()
         self._forced = threading.Event()  # a second stop signal: do not wait for the lanes
@@ -209,8 +210,7 @@ class DecoderServer:
             n_slots=slots,
             max_tokens=max_tokens,
             mode=mode,
-            semantic_vocab=self.semantic_vocab,
-            global_vocab=self.global_vocab,
+            codec=self.codec,
             max_batch=max_batch,
             lanes=self.lanes,
             wait=start_wait,
@@ -227,10 +227,11 @@ class DecoderServer:
                 self._teardown()
                 raise
         log.info(
-            "serving %r: %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
+            "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
             "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d (threads each: %s), mode=%o, "
             "segment %.1f MiB",
-            name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms, max_batch_tokens, min_fill,
+            name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
+            max_batch_tokens, min_fill,
             self.device, self.lanes, self.threads_per_lane, mode,
             self._segment.layout.total_size / 2**20,
         )  # fmt: skip

@@ -6,7 +6,9 @@ trusted: ``check_headers`` validates a private copy of each slot header, ``gathe
 the private copy of the ids that the model will see (a client cannot change them after the
 check), and every length is clamped to what the slot holds.
 
-Shapes: ``B`` rows in the batch, ``T`` the longest row's tokens, ``N = 320·T`` samples.
+Shapes: ``B`` rows in the batch, ``T`` the longest row's frames (BiCodec: semantic tokens),
+``N = spf·T`` samples (``spf`` the codec's samples per frame, 320 for BiCodec). The codes of
+level ``i`` are (B, r_i·T), ``r_i`` its codes per frame (``seg.codec``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from .transport import (
     BUSY,
     DONE,
     ERROR_TEXT_BYTES,
-    HOP,
-    N_GLOBAL,
     NO_BELL,
     READY,
     REQUEST_ID,
@@ -51,13 +51,18 @@ class Requests:
     notify: np.ndarray  # (B,) uint32, a bell or NO_BELL
     submitted_ns: np.ndarray  # (B,) int64: the client's submit time, clamped to seen_ns
     seen_ns: np.ndarray  # (B,) int64: when the server took the request's req.I (batch order)
+    # (B,) uint64 noise seeds and (B,) uint32 flags (FLAG_NO_NOISE): SNAC's; None means
+    # codecs.DEFAULT_NOISE_SEED and noise on for every row.
+    noise_seeds: np.ndarray | None = None
+    flags: np.ndarray | None = None
 
     def take(self, index: np.ndarray | list[int]) -> Requests:
         """The rows ``index`` as a new ``Requests``."""
         if len(self.slots) == 1 and len(index) == 1:
             return self
-        return Requests(*(a[index] for a in (self.slots, self.lengths, self.ids, self.dtypes,
-                                               self.notify, self.submitted_ns, self.seen_ns)))  # fmt: skip
+        return Requests(*(None if a is None else a[index] for a in (
+            self.slots, self.lengths, self.ids, self.dtypes, self.notify, self.submitted_ns,
+            self.seen_ns, self.noise_seeds, self.flags)))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -67,13 +72,21 @@ class Requests:
 class Batch:
     """Requests gathered for one forward pass, sorted longest first.
 
-    ``semantic`` (B, T) int64, right-padded with 0; ``global_ids`` (B, 32) int64.
+    ``semantic`` (B, T) int64: level 0's codes (BiCodec's semantic ids), right-padded with 0;
+    ``global_ids`` (B, n_global) int64; ``levels`` the codes of levels 1.. (B, r_i·T) int64,
+    padded likewise (empty for a one-level codec).
     """
 
     requests: Requests
     semantic: np.ndarray
     global_ids: np.ndarray
     started_ns: int
+    levels: tuple[np.ndarray, ...] = ()
+
+    @property
+    def codes(self) -> list[np.ndarray]:
+        """Every level's codes, coarsest first: ``[(B, r_0·T), (B, r_1·T), ...]``."""
+        return [self.semantic, *self.levels]
 
     @property
     def slots(self) -> np.ndarray:
@@ -90,7 +103,9 @@ class Batch:
         for rows in (slice(0, mid), slice(mid, None)):
             req = self.requests.take(rows)
             t = int(req.lengths.max())
-            halves.append(Batch(req, self.semantic[rows, :t], self.global_ids[rows], self.started_ns))
+            rates = [level.shape[1] // self.semantic.shape[1] for level in self.levels]
+            halves.append(Batch(req, self.semantic[rows, :t], self.global_ids[rows], self.started_ns,
+                                tuple(lv[rows, : r * t] for lv, r in zip(self.levels, rates))))
         return halves[0], halves[1]
 
 
@@ -115,7 +130,7 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
     stray = rows["state"] != READY
     bad = (
         (n < 1) | (n > seg.layout.max_tokens)
-        | (rows["n_global"] != N_GLOBAL)
+        | (rows["n_global"] != seg.codec.n_global)
         | (rows["dtype"] > 1)  # OutputDtype: 0 int16, 1 float32
         | (rows["req_generation"] != rows["generation"])
         | ((notify != NO_BELL) & (notify >= n_bells))
@@ -123,7 +138,7 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
     failures: list[Failure] = []
     if bad.any():  # the rare path: name the first problem of each bad row
         bad &= ~stray
-        failures = [(int(slots[j]), *_problem(rows[j], seg.layout.max_tokens, n_bells))
+        failures = [(int(slots[j]), *_problem(rows[j], seg.layout.max_tokens, n_bells, seg.codec.n_global))
                     for j in np.flatnonzero(bad).tolist()]  # fmt: skip
         stray |= bad
     ok = ~stray
@@ -138,6 +153,8 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
         notify=notify[ok],
         submitted_ns=submitted.clip(seen - TRUSTED_QUEUE_NS, seen),
         seen_ns=seen,
+        noise_seeds=rows["noise_seed"][ok],
+        flags=rows["flags"][ok],
     )
     return requests, failures
 
@@ -155,13 +172,13 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
         return _empty_requests(), []
     if (
         not 1 <= n <= seg.layout.max_tokens
-        or v[_FIELD["n_global"]] != N_GLOBAL
+        or v[_FIELD["n_global"]] != seg.codec.n_global
         or v[_FIELD["dtype"]] > 1
         or v[_FIELD["req_generation"]] != v[_FIELD["generation"]]
         or (notify != NO_BELL and notify >= n_bells)
     ):
         row = dict(zip(SLOT_DT.names, v))
-        return _empty_requests(), [(slot, *_problem(row, seg.layout.max_tokens, n_bells))]
+        return _empty_requests(), [(slot, *_problem(row, seg.layout.max_tokens, n_bells, seg.codec.n_global))]
     submitted = min(max(v[_FIELD["t_submit_ns"]], seen - TRUSTED_QUEUE_NS), seen)
     requests = Requests(
         slots=np.array([slot], np.int64),
@@ -171,6 +188,8 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
         notify=np.array([notify], np.uint32),
         submitted_ns=np.array([submitted], np.int64),
         seen_ns=np.array([seen], np.int64),
+        noise_seeds=np.array([v[_FIELD["noise_seed"]]], np.uint64),
+        flags=np.array([v[_FIELD["flags"]]], np.uint32),
     )
     return requests, []
 
@@ -179,17 +198,17 @@ def _empty_requests() -> Requests:
     empty = [np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint64, np.uint32, np.uint32,
                                         np.int64, np.int64)]  # fmt: skip
     empty[2] = np.zeros((0, 3), np.uint64)
-    return Requests(*empty)
+    return Requests(*empty, np.zeros(0, np.uint64), np.zeros(0, np.uint32))
 
 
-def _problem(row: np.void | dict, max_tokens: int, n_bells: int) -> tuple[int, str]:
+def _problem(row: np.void | dict, max_tokens: int, n_bells: int, n_global: int) -> tuple[int, str]:
     """(Status, message) of the first thing wrong with one slot header (a copied record, or
     its fields by name)."""
     n = int(row["n_tokens"])
     if not 1 <= n <= max_tokens:
         return Status.BAD_LENGTH, f"semantic length {n} is outside 1..{max_tokens}"
-    if int(row["n_global"]) != N_GLOBAL:
-        return Status.BAD_GLOBAL, f"{int(row['n_global'])} global ids, expected {N_GLOBAL}"
+    if int(row["n_global"]) != n_global:
+        return Status.BAD_GLOBAL, f"{int(row['n_global'])} global ids, expected {n_global}"
     if int(row["dtype"]) > 1:
         return Status.BAD_DTYPE, f"unknown output dtype code {int(row['dtype'])}"
     if int(row["req_generation"]) != int(row["generation"]):
@@ -200,55 +219,84 @@ def _problem(row: np.void | dict, max_tokens: int, n_bells: int) -> tuple[int, s
     return Status.BAD_NOTIFY, f"bell index {int(row['notify'])} out of range"
 
 
-def gather(seg: Segment, req: Requests, *, semantic_vocab: int, global_vocab: int,
-           ) -> tuple[Batch | None, list[Failure]]:  # fmt: skip
-    """Copy the ids of ``req`` (sorted longest first by the caller) and validate the copy.
+def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
+           global_vocab: int | None = None) -> tuple[Batch | None, list[Failure]]:  # fmt: skip
+    """Copy the codes of ``req`` (sorted longest first by the caller) and validate the copy.
 
     Rows with an id out of range fail alone; the others form the batch (None if none is left).
+    ``semantic_vocab`` and ``global_vocab`` override the vocabularies of level 0 and of the
+    global ids (default: the segment's codec).
     """
+    codec, lay = seg.codec, seg.layout
+    vocabs = list(codec.level_vocab)
+    if semantic_vocab is not None:
+        vocabs[0] = semantic_vocab
+    global_vocab = codec.global_vocab if global_vocab is None else global_vocab
     if len(req) == 1:  # slices, not fancy indexing: the common case at low load
         s = int(req.slots[0])
         t = int(req.lengths[0])
         semantic = seg.tokens[s : s + 1, :t].astype(np.int64)  # (1, T): a private copy
-        global_ids = seg.globals[s : s + 1].astype(np.int64)  # (1, 32)
+        global_ids = seg.globals[s : s + 1].astype(np.int64)  # (1, n_global)
     else:
         t = int(req.lengths.max())
         semantic = seg.tokens[req.slots, :t].astype(np.int64)  # (B, T): a private copy
         if int(req.lengths.min()) < t:
             # The padding: whatever the slot holds there is not ours to decode.
             semantic[np.arange(t) >= req.lengths[:, None]] = 0
-        global_ids = seg.globals[req.slots].astype(np.int64)  # (B, 32)
+        global_ids = seg.globals[req.slots].astype(np.int64)  # (B, n_global)
+    codes = [semantic] + [_gather_level(seg, req, i, t) for i in range(1, codec.n_levels)]
     failures: list[Failure] = []
-    if (0 <= semantic.min() and semantic.max() < semantic_vocab
-            and 0 <= global_ids.min() and global_ids.max() < global_vocab):  # fmt: skip
-        bad_sem = bad_glb = np.zeros(len(req), bool)  # the common case: no mask needed
+    in_range = all(0 <= c.min() and c.max() < v for c, v in zip(codes, vocabs))
+    if global_ids.size:
+        in_range = in_range and 0 <= global_ids.min() and global_ids.max() < global_vocab
+    if in_range:
+        bad = np.zeros(len(req), bool)  # the common case: no mask needed
     else:
-        bad_sem = ((semantic < 0) | (semantic >= semantic_vocab)).any(axis=1)
+        bad_codes = [((c < 0) | (c >= v)).any(axis=1) for c, v in zip(codes, vocabs)]
         bad_glb = ((global_ids < 0) | (global_ids >= global_vocab)).any(axis=1)
-    for j in np.flatnonzero(bad_sem | bad_glb).tolist():
-        if bad_sem[j]:
-            pos = int(np.flatnonzero((semantic[j] < 0) | (semantic[j] >= semantic_vocab))[0])
-            failures.append((int(req.slots[j]), Status.BAD_SEMANTIC_ID,
-                             f"semantic id {int(semantic[j, pos])} at position {pos} is outside "
-                             f"0..{semantic_vocab - 1}"))  # fmt: skip
-        else:
-            pos = int(np.flatnonzero((global_ids[j] < 0) | (global_ids[j] >= global_vocab))[0])
-            failures.append((int(req.slots[j]), Status.BAD_GLOBAL,
-                             f"global id {int(global_ids[j, pos])} at position {pos} is outside "
-                             f"0..{global_vocab - 1}"))  # fmt: skip
+        bad = np.logical_or.reduce([*bad_codes, bad_glb])
+        for j in np.flatnonzero(bad).tolist():
+            level = next((i for i, b in enumerate(bad_codes) if b[j]), None)
+            if level is not None:
+                row, vocab = codes[level][j], vocabs[level]
+                pos = int(np.flatnonzero((row < 0) | (row >= vocab))[0])
+                what = "semantic id" if codec.n_levels == 1 else f"levels[{level}] code"
+                failures.append((int(req.slots[j]), Status.BAD_SEMANTIC_ID,
+                                 f"{what} {int(row[pos])} at position {pos} is outside "
+                                 f"0..{vocab - 1}"))  # fmt: skip
+            else:
+                pos = int(np.flatnonzero((global_ids[j] < 0) | (global_ids[j] >= global_vocab))[0])
+                failures.append((int(req.slots[j]), Status.BAD_GLOBAL,
+                                 f"global id {int(global_ids[j, pos])} at position {pos} is outside "
+                                 f"0..{global_vocab - 1}"))  # fmt: skip
     if failures:
-        keep = ~(bad_sem | bad_glb)
+        keep = ~bad
         if not keep.any():
             return None, failures
         req = req.take(keep)
         t = int(req.lengths.max())
-        semantic, global_ids = semantic[keep, :t], global_ids[keep]
+        codes = [c[keep, : r * t] for c, r in zip(codes, codec.level_rates)]
+        semantic, global_ids = codes[0], global_ids[keep]
     now = time.monotonic_ns()
     f = seg.field
     where = int(req.slots[0]) if len(req) == 1 else req.slots
     f["t_start_ns"][where] = now
     f["state"][where] = BUSY
-    return Batch(req, semantic, global_ids, now), failures
+    return Batch(req, semantic, global_ids, now, tuple(codes[1:])), failures
+
+
+def _gather_level(seg: Segment, req: Requests, level: int, t: int) -> np.ndarray:
+    """A private (B, r·T) int64 copy of ``level``'s codes, right-padded with 0."""
+    rate = seg.codec.level_rates[level]
+    start = seg.layout.level_offset(level)
+    cols = slice(start, start + rate * t)
+    if len(req) == 1:
+        s = int(req.slots[0])
+        return seg.tokens[s : s + 1, cols].astype(np.int64)
+    codes = seg.tokens[req.slots, cols].astype(np.int64)
+    if int(req.lengths.min()) < t:
+        codes[np.arange(rate * t) >= rate * req.lengths[:, None]] = 0
+    return codes
 
 
 def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.ndarray,
@@ -268,7 +316,7 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
         now = time.monotonic_ns()
         f = seg.field
         f["status"][s] = Status.OK
-        f["n_samples"][s] = int(req.lengths[0]) * HOP
+        f["n_samples"][s] = int(req.lengths[0]) * seg.codec.samples_per_frame
         seg.result_id[s] = req.ids[0]  # the answer names its request
         f["t_done_ns"][s] = now
         f["state"][s] = DONE  # order matters, as below
@@ -281,7 +329,7 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
     now = time.monotonic_ns()
     f = seg.field
     f["status"][slots] = Status.OK
-    f["n_samples"][slots] = req.lengths * HOP
+    f["n_samples"][slots] = req.lengths * seg.codec.samples_per_frame
     seg.result_id[slots] = req.ids  # each answer names its request
     f["t_done_ns"][slots] = now
     # Order matters: audio and result fields above, then the state word; the posts (``ring``)

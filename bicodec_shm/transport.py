@@ -12,17 +12,27 @@ Segment layout (all offsets are multiples of 64 bytes)::
 
     0                     HEADER_SIZE            slots_off            tokens_off
     +---------------------+----------------------+--------------------+-----------------+
-    | header (HEADER_DT)  | padding to 4 KiB     | slot table         | semantic tokens |
+    | header (HEADER_DT)  | padding to 4 KiB     | slot table         | codes           |
     | magic, version,     |                      | n_slots x SLOT_DT  | n_slots x       |
-    | sizes, server info, |                      | (state, gen, seq,  | max_tokens int32|
-    | counters, histos    |                      |  identities, lens, |                 |
-    |                     |                      |  status)           |                 |
+    | sizes, codec layout,|                      | (state, epoch,     | max_tokens x    |
+    | counters, histos    |                      |  identities, lens, | codes_per_frame |
+    |                     |                      |  status)           | int32           |
     +---------------------+----------------------+--------------------+-----------------+
     globals_off           pcm_off                                            total_size
     +---------------------+--------------------------------------------------+
-    | global tokens       | PCM areas: n_slots x (max_tokens*320*4) bytes     |
-    | n_slots x 32 int32  | int16 or float32 samples, written in place        |
+    | global tokens       | PCM areas: n_slots x (max_tokens*spf*4) bytes     |
+    | n_slots x n_global  | int16 or float32 samples, written in place        |
     +---------------------+--------------------------------------------------+
+
+The codec seam. A server serves one codec, named in the header with its token layout
+(``codecs.CodecLayout``: levels, codes per frame at each level, vocabularies, samples per frame
+``spf``, sample rate, global ids). ``max_tokens`` counts *frames* (BiCodec: semantic tokens).
+A slot's codes row holds level ``i`` at columns ``[max_tokens·P_i, max_tokens·P_(i+1))``, with
+``P_i`` the sum of the rates of the levels before ``i``; a request of ``n`` frames fills the
+first ``n·rate_i`` of them. BiCodec (one level, rate 1, 32 globals, spf 320) has exactly the
+areas of layout version 3; SNAC (no global ids) has an empty global area. A slot's
+``noise_seed`` (and ``flags`` bit ``FLAG_NO_NOISE``) make a SNAC decode a pure function of its
+request; BiCodec ignores both.
 
 Named objects (``NAME``: letters, digits, ``_`` and ``-``, optionally a ``.K`` group suffix)::
 
@@ -118,11 +128,12 @@ import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import posix_ipc
 
+from .codecs.layout import BICODEC, CodecLayout
 from .semwait import Waiter
 from .errors import (
     BiCodecShmError,
@@ -142,7 +153,7 @@ GROUP_MAGIC = 0x5052475F43444342  # b"BCDC_GRP" little-endian
 # server that dies in between leaves something ``_check_takeover`` still knows as ours. (An
 # object of zeros is not: it may be anybody's.)
 CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
-LAYOUT_VERSION = 3  # 3: answers carry their request's identity
+LAYOUT_VERSION = 4  # 3: answers carry their request's identity; 4: the codec seam
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -154,6 +165,9 @@ DEFAULT_SLOTS = 64
 MAX_SLOTS = 4096
 DEFAULT_MODE = 0o600
 DEFAULT_START_WAIT = 30.0  # seconds a new server waits for one stopping under its name
+MAX_LEVELS = 8  # code levels a header can describe
+CODEC_NAME_BYTES = 32
+FLAG_NO_NOISE = 1  # slot ``flags``: decode without the codec's noise (SNAC's noise=False)
 NO_BELL = 0xFFFFFFFF  # ``notify`` of a synchronous request: ring no bell
 # The ``free`` doorbell is posted on every give-back but taken only by claimers that wait:
 # without a bound its count would grow until sem_post fails with EOVERFLOW. A few posts are
@@ -258,6 +272,13 @@ HEADER_DT = np.dtype(
         ("queue_hist", "<u8", (N_TIME_BINS,)),  # per request, TIME_BUCKETS
         ("latency_hist", "<u8", (N_TIME_BINS,)),  # per request
         ("decode_hist", "<u8", (N_TIME_BINS,)),  # per batch
+        # The codec's token layout (codecs.CodecLayout); fixed before the magic is written.
+        ("codec", f"S{CODEC_NAME_BYTES}"),
+        ("n_levels", "<u4"),
+        ("level_rates", "<u4", (MAX_LEVELS,)),
+        ("level_vocab", "<u4", (MAX_LEVELS,)),
+        ("samples_per_frame", "<u4"),
+        ("sample_rate", "<u4"),
     ],
     align=True,
 )
@@ -298,6 +319,8 @@ SLOT_DT = np.dtype(
         ("t_submit_ns", "<u8"),  # CLOCK_MONOTONIC, client-written: clamped before any use
         ("t_start_ns", "<u8"),
         ("t_done_ns", "<u8"),
+        ("noise_seed", "<u8"),  # SNAC: the request's noise (codecs.DEFAULT_NOISE_SEED if unnamed)
+        ("flags", "<u4"),  # FLAG_NO_NOISE
         ("error", f"S{ERROR_TEXT_BYTES}"),
     ],
     align=True,
@@ -342,10 +365,22 @@ def _align(n: int, to: int = 64) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Byte offsets of each region, derived from (n_slots, max_tokens) alone."""
+    """Byte offsets of each region, derived from (n_slots, max_tokens, codec) alone.
+
+    ``max_tokens`` counts frames; ``codec`` (BiCodec by default) sizes the areas per frame."""
 
     n_slots: int
     max_tokens: int
+    codec: CodecLayout = BICODEC
+
+    @property
+    def codes_per_slot(self) -> int:
+        """int32 columns of a slot's codes row: every level's codes of the longest request."""
+        return self.max_tokens * self.codec.codes_per_frame
+
+    def level_offset(self, level: int) -> int:
+        """First column of ``level`` in a slot's codes row (levels laid out one after another)."""
+        return self.max_tokens * sum(self.codec.level_rates[:level])
 
     @property
     def slots_off(self) -> int:
@@ -357,15 +392,15 @@ class Layout:
 
     @property
     def globals_off(self) -> int:
-        return _align(self.tokens_off + self.n_slots * self.max_tokens * 4)
+        return _align(self.tokens_off + self.n_slots * self.codes_per_slot * 4)
 
     @property
     def pcm_off(self) -> int:
-        return _align(self.globals_off + self.n_slots * N_GLOBAL * 4, 4096)
+        return _align(self.globals_off + self.n_slots * self.codec.n_global * 4, 4096)
 
     @property
     def pcm_stride(self) -> int:
-        return _align(self.max_tokens * HOP * PCM_BYTES_PER_SAMPLE, 4096)
+        return _align(self.max_tokens * self.codec.samples_per_frame * PCM_BYTES_PER_SAMPLE, 4096)
 
     @property
     def total_size(self) -> int:
@@ -618,7 +653,9 @@ class Segment:
     - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (11,) u8;
       ``histograms``: queue, latency and decode histograms as one (3·N_TIME_BINS,) u8
     - ``slots``: (n_slots,) structured array (``SLOT_DT``); ``field[name]``: one field of it
-    - ``tokens``: (n_slots, max_tokens) int32; ``globals``: (n_slots, 32) int32
+    - ``tokens``: (n_slots, max_tokens·codes_per_frame) int32, every level's codes (see
+      ``Layout.level_offset``); ``globals``: (n_slots, n_global) int32
+    - ``codec``: the served codec's ``CodecLayout``
     - ``pcm16``: (n_slots, stride/2) int16 and ``pcm32``: (n_slots, stride/4) float32, the same
       bytes: slot i's samples start at row i
 
@@ -637,6 +674,7 @@ class Segment:
     def __init__(self, name: str, lock_fd: int, layout: Layout) -> None:
         self.name = name
         self.layout = layout
+        self.codec = layout.codec
         self._lock_fd = lock_fd
         self._sems = {}
         self._ready: posix_ipc.Semaphore | None = None
@@ -672,8 +710,8 @@ class Segment:
                        strides=(SLOT_DT.itemsize, 8))
             for ids in (REQUEST_ID, RESULT_ID)
         )  # fmt: skip
-        self.tokens = np.ndarray((lay.n_slots, lay.max_tokens), np.int32, buf, lay.tokens_off)
-        self.globals = np.ndarray((lay.n_slots, N_GLOBAL), np.int32, buf, lay.globals_off)
+        self.tokens = np.ndarray((lay.n_slots, lay.codes_per_slot), np.int32, buf, lay.tokens_off)
+        self.globals = np.ndarray((lay.n_slots, lay.codec.n_global), np.int32, buf, lay.globals_off)
         self.pcm16 = np.ndarray((lay.n_slots, lay.pcm_stride // 2), np.int16, buf, lay.pcm_off)
         self.pcm32 = np.ndarray((lay.n_slots, lay.pcm_stride // 4), np.float32, buf, lay.pcm_off)
 
@@ -693,6 +731,7 @@ class Segment:
         lanes: int = 1,
         wait: float = 0.0,
         reserved: int | None = None,
+        codec: CodecLayout | None = None,
     ) -> Segment:
         """Own ``name`` exclusively and create a fresh segment and its semaphores under it.
 
@@ -701,13 +740,21 @@ class Segment:
         for up to ``wait`` seconds (a rolling restart) before raising the same.
         The segment is complete when this returns, but not yet served: call
         ``start_serving()``.
+
+        ``codec``: the served codec's token layout; None means BiCodec with ``semantic_vocab``
+        and ``global_vocab``.
         """
         validate_name(name)
+        if codec is None:
+            codec = replace(BICODEC, level_vocab=(semantic_vocab,), global_vocab=global_vocab)
+        if codec.n_levels > MAX_LEVELS or len(codec.name.encode()) > CODEC_NAME_BYTES:
+            raise ValueError(f"a header holds at most {MAX_LEVELS} levels and a codec name of "
+                             f"{CODEC_NAME_BYTES} bytes: {codec.describe()}")  # fmt: skip
         if not 1 <= n_slots <= MAX_SLOTS:
             raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {n_slots}")
         if not 1 <= max_tokens <= 100_000:
             raise ValueError(f"max_tokens must be in 1..100000, got {max_tokens}")
-        layout = Layout(n_slots, max_tokens)
+        layout = Layout(n_slots, max_tokens, codec)
         check_free_space(layout.total_size)
         # The name: reserved earlier (``reserve_name``: held while the model loaded), or now.
         lock_fd = reserved if reserved is not None else _own_name(name, mode, time.monotonic() + wait)
@@ -727,11 +774,12 @@ class Segment:
             h["header_size"] = HEADER_SIZE
             h["n_slots"] = n_slots
             h["max_tokens"] = max_tokens
-            h["n_global"] = N_GLOBAL
+            h["n_global"] = codec.n_global
             h["slot_size"] = SLOT_DT.itemsize
             h["total_size"] = layout.total_size
-            h["semantic_vocab"] = semantic_vocab
-            h["global_vocab"] = global_vocab
+            h["semantic_vocab"] = codec.level_vocab[0]
+            h["global_vocab"] = codec.global_vocab
+            write_codec(h, codec)
             h["max_batch"] = max_batch
             h["lanes"] = lanes
             h["server_pid"] = os.getpid()
@@ -1169,11 +1217,14 @@ def _read_layout(name: str, fd: int) -> Layout:
             f"/dev/shm/{name} has layout version {int(h['version'])}, this client speaks "
             f"version {LAYOUT_VERSION}: upgrade the client or the server so they match"
         )
-    layout = Layout(int(h["n_slots"]), int(h["max_tokens"]))
+    try:
+        codec = read_codec(h)
+    except ValueError as exc:
+        raise SegmentError(f"/dev/shm/{name}: the header's codec layout is invalid ({exc})") from None
+    layout = Layout(int(h["n_slots"]), int(h["max_tokens"]), codec)
     if (
         int(h["header_size"]) != HEADER_SIZE
         or int(h["slot_size"]) != SLOT_DT.itemsize
-        or int(h["n_global"]) != N_GLOBAL
         or int(h["total_size"]) != layout.total_size
         or size < layout.total_size
     ):
@@ -1182,6 +1233,43 @@ def _read_layout(name: str, fd: int) -> Layout:
             f"(segment {size} bytes, header says {int(h['total_size'])})"
         )
     return layout
+
+
+def write_codec(h: np.ndarray, codec: CodecLayout) -> None:
+    """Write ``codec`` into a header (0-d HEADER_DT array); its ``n_global``/``global_vocab``
+    are the header's own fields, shared with version 3."""
+    h["codec"] = codec.name.encode()
+    h["n_levels"] = codec.n_levels
+    h["level_rates"] = list(codec.level_rates) + [0] * (MAX_LEVELS - codec.n_levels)
+    h["level_vocab"] = list(codec.level_vocab) + [0] * (MAX_LEVELS - codec.n_levels)
+    h["samples_per_frame"] = codec.samples_per_frame
+    h["sample_rate"] = codec.sample_rate
+    h["n_global"] = codec.n_global
+    h["global_vocab"] = codec.global_vocab
+
+
+def read_codec(h: np.void | np.ndarray) -> CodecLayout:
+    """The codec layout a header names; raises ValueError if it is not a valid one."""
+    n = int(h["n_levels"])
+    if not 1 <= n <= MAX_LEVELS:
+        raise ValueError(f"{n} code levels")
+    return CodecLayout(
+        name=np.asarray(h["codec"]).item().decode("utf-8", "replace"),
+        level_rates=tuple(int(v) for v in h["level_rates"][:n]),
+        level_vocab=tuple(int(v) for v in h["level_vocab"][:n]),
+        samples_per_frame=int(h["samples_per_frame"]),
+        sample_rate=int(h["sample_rate"]),
+        n_global=int(h["n_global"]),
+        global_vocab=int(h["global_vocab"]),
+    )
+
+
+def codec_name(h: np.void | np.ndarray) -> str:
+    """The name of the codec a header names, or "unknown" if its layout is not valid."""
+    try:
+        return read_codec(h).name
+    except ValueError:
+        return "unknown"
 
 
 def read_record(name: str, dtype: np.dtype) -> tuple[np.void, bool] | None:
@@ -1223,6 +1311,7 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
     failed = {Status(i).name: int(n) for i, n in enumerate(h["failed_by_status"]) if n and i in
               Status._value2member_map_}  # fmt: skip
     return {
+        "codec": codec_name(h),
         "server_pid": int(h["server_pid"]),
         "server_epoch": int(h["server_epoch"]),
         "phase": Phase(int(h["phase"])).name.lower() if int(h["phase"]) < 4 else "unknown",

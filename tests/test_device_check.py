@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 STEPS = ["env", "gpu_tests", "bench_model_float32", "bench_model_bfloat16", "bench_throughput",
-         "bench_model_float16"]  # fmt: skip
+         "bench_snac", "bench_model_float16"]  # fmt: skip
 
 no_gpu = pytest.mark.skipif(
     torch.cuda.is_available() or shutil.which("nvidia-smi") is not None,

@@ -340,6 +340,8 @@ def check_outputs(document: str, folder) -> None:
         assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (1, 16000, 100 * 320)
     streamed = (folder / "stream.wav").read_bytes()
     assert streamed[:4] == b"RIFF" and len(streamed) == 44 + 2 * 500 * 320
+    with wave.open(str(folder / "orpheus.wav")) as w:  # 20 SNAC 24 kHz frames
+        assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (1, 24000, 20 * 2048)
 
 
 def test_the_http_examples_stream_command_is_the_one_run_here():
@@ -368,4 +370,5 @@ def test_the_readme_skips_only_what_needs_the_network_or_a_gpu():
         network,  # the examples extra
         gpu,  # a server group on cuda:0,cuda:1
         network,  # the metrics extra
+        weights,  # hf download of snac_24khz, then its server
     ], skipped

@@ -119,6 +119,8 @@ from .systems import per_process_threads
 from .workers import DEVICE_ENV
 from .workload import DEFAULT_MIX, parse_mix, requests_per_client
 
+SNAC_MODELS = tuple(f"{size}-{rate}" for rate in ("24khz", "32khz", "44khz") for size in ("snac", "tiny"))
+
 
 def _floats(text: str) -> tuple[float, ...]:
     try:
@@ -162,7 +164,13 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                         f"{QUICK_WINDOW_S:g} s windows, 1 repeat (under a minute)")  # fmt: skip
     p.add_argument("--device", default="cpu",
                    help="torch device of every model process, e.g. cuda:0 (default cpu)")  # fmt: skip
-    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS,
+    p.add_argument("--codec", default="bicodec", choices=("bicodec", "snac-24khz", "snac-32khz", "snac-44khz"),
+                   help="the codec benchmarked (default bicodec); a SNAC codec runs the shared server, "
+                        "a decoder per process and the no-IPC limit on --requests per client "
+                        "(default 4) of --frames frames (codec_bench.py)")  # fmt: skip
+    p.add_argument("--frames", default="12-36", metavar="LO-HI",
+                   help="SNAC request lengths in frames (default 12-36: 1-3 s at 24 kHz)")
+    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + SNAC_MODELS,
                    help="architecture with random weights, or the device-shaped stand-in "
                         "(default spark-tts-0.5b; --quick: tiny)")  # fmt: skip
     p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="A_MS,B_MS",
@@ -366,6 +374,10 @@ class Plan:
 
 def run_and_report(args: argparse.Namespace) -> int:
     """Run what ``args`` asks for, print the tables, write JSON (and the plot); 0 if clean."""
+    if args.codec != "bicodec":
+        from .codec_bench import run_codec_bench
+
+        return run_codec_bench(args)
     try:
         import psutil  # noqa: F401  (the memory and CPU sampler)
     except ImportError:

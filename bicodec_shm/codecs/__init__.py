@@ -6,11 +6,13 @@ has one decoder per codec (``model.BiCodecDecoder``, ``model.snac.SNACDecoder``)
 
 from .layout import (
     BICODEC,
+    DEFAULT_NOISE_SEED,
     LAYOUTS,
     SNAC_24KHZ,
     SNAC_32KHZ,
     SNAC_44KHZ,
     CodecLayout,
+    check_noise_seed,
     check_request,
     get_layout,
 )
@@ -18,11 +20,13 @@ from .orpheus import codes_to_orpheus, custom_token_numbers, orpheus_to_codes
 
 __all__ = [
     "BICODEC",
+    "DEFAULT_NOISE_SEED",
     "LAYOUTS",
     "SNAC_24KHZ",
     "SNAC_32KHZ",
     "SNAC_44KHZ",
     "CodecLayout",
+    "check_noise_seed",
     "check_request",
     "codes_to_orpheus",
     "custom_token_numbers",

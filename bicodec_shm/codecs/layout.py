@@ -119,6 +119,21 @@ class CodecLayout:
             raise ValueError(f"not a codec layout: {dict(mapping)!r} ({exc!r})") from None
 
 
+# A SNAC request's noise is a pure function of its seed (model/snac/noise.py); a request that
+# names none gets this one, so that the same codes always decode to the same audio.
+DEFAULT_NOISE_SEED = 0
+MAX_NOISE_SEED = 2**63 - 1
+
+
+def check_noise_seed(seed: Any) -> int:
+    """``seed`` as an int in ``[0, 2**63)``; raises ValueError otherwise (bools refused too)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"noise_seed must be an int in [0, 2**63), got {seed!r}")
+    if not 0 <= int(seed) <= MAX_NOISE_SEED:
+        raise ValueError(f"noise_seed must be in [0, 2**63), got {int(seed)}")
+    return int(seed)
+
+
 BICODEC = CodecLayout("bicodec", (1,), (8192,), 320, 16000, n_global=32, global_vocab=4096)
 SNAC_24KHZ = CodecLayout("snac-24khz", (1, 2, 4), (4096,) * 3, 2048, 24000)
 SNAC_32KHZ = CodecLayout("snac-32khz", (1, 2, 4, 8), (4096,) * 4, 3072, 32000)

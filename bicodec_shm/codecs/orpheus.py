@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..validation import _to_numpy
+from ..validation import as_utterance
 
 LLAMA3_VOCAB = 128256
 CUSTOM_TOKEN_OFFSET = 10  # <custom_token_0..9> are Orpheus's special tokens
@@ -32,6 +32,11 @@ TOKENS_PER_FRAME = 7
 POSITION_LEVEL = (0, 1, 2, 2, 1, 2, 2)
 POSITION_SLOT = (0, 0, 0, 1, 1, 2, 3)
 LEVEL_RATES = (1, 2, 4)
+
+ORPHEUS_BATCH_HINT = (
+    "send each row as its own request (client.decode_orpheus(row) per row, concurrently if "
+    "wanted); the server batches concurrent requests itself"
+)
 
 _CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
 
@@ -51,9 +56,7 @@ def orpheus_to_codes(
             an id with another position's offset; the message names the token's index, frame
             and position.
     """
-    ids = _to_numpy(token_ids, "token_ids")
-    if ids.ndim != 1:
-        raise ValueError(f"token_ids must be 1-D, got an array of shape {ids.shape}")
+    ids = as_utterance(token_ids, what="token_ids", batch_hint=ORPHEUS_BATCH_HINT)
     n = len(ids)
     if n == 0:
         raise ValueError("token_ids is empty: at least one frame of 7 tokens is needed")

@@ -109,6 +109,12 @@ class SNACDecoder(nn.Module):
         model.load_state_dict(checkpoint.read_state_dict(folder, model))
         return apply_dtype(model.to(device), dtype).eval()
 
+    def codec_adapter(self) -> Any:
+        """How the server decodes a batch of SNAC requests (``adapters.codec_adapter``)."""
+        from .serving import SNACAdapter
+
+        return SNACAdapter(self)
+
     def save_pretrained(self, path: str | os.PathLike[str]) -> int:
         """Write ``config.json`` and ``pytorch_model.bin`` (decode path only, weight norm as
         ``parametrizations``); returns the number of tensors written."""

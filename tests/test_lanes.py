@@ -20,8 +20,10 @@ N_GLOBAL = 32
 def make_batch(slots: list[int], frames: int = 4) -> Batch:
     """Rows whose decode is the constant ``slot / 100`` (see FakeDecoder)."""
     n = len(slots)
-    requests = Requests(np.array(slots, np.int64), np.full(n, frames, np.int64), np.zeros(n, np.uint64),
-                        np.zeros(n, np.uint32), np.zeros(n, np.uint32), np.zeros(n, np.uint64))  # fmt: skip
+    requests = Requests(slots=np.array(slots, np.int64), lengths=np.full(n, frames, np.int64),
+                        ids=np.zeros((n, 3), np.uint64), dtypes=np.zeros(n, np.uint32),
+                        notify=np.zeros(n, np.uint32), submitted_ns=np.zeros(n, np.int64),
+                        seen_ns=np.zeros(n, np.int64))  # fmt: skip
     semantic = np.array([[s] * frames for s in slots], np.int64)
     return Batch(requests, semantic, np.zeros((n, N_GLOBAL), np.int64), 0)
 

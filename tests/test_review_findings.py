@@ -265,6 +265,38 @@ def test_6_a_successor_waits_for_a_server_that_finishes_its_batch(shm_name):
             _stop(new, new_thread)
 
 
+def test_6_serve_started_while_the_old_server_finishes_its_batch_takes_over(shm_name, tmp_path):
+    """The README's rolling restart through the CLI: SIGTERM (here: stop()) and a new `serve` at
+    once, while a batch is still running for 7 s. The new one must wait, not exit."""
+    decoder = GatedDecoder()
+    old = DecoderServer(decoder, shm_name, slots=2, lanes=1)
+    old_thread = _start(old)
+    req = seeded_request(12, 20)
+    log = open(tmp_path / "serve.log", "wb")
+    new = None
+    try:
+        with DecoderClient(shm_name, slots=1, timeout=60) as client:
+            got = []
+            t = threading.Thread(target=lambda: got.append(client.decode(*req)))
+            t.start()
+            _wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
+            old.stop()
+            new = subprocess.Popen(serve_command(shm_name), cwd=ROOT, stderr=log)
+            threading.Timer(7.0, decoder.gate.set).start()  # past the CLI's 5 s grace
+            wait_until_serving(shm_name, timeout=60, proc=new)  # raises if `serve` exited
+            t.join(30)
+            assert np.abs(got[0].astype(np.int32) - seed_int16(_lone(req))).max() <= 1
+            assert client.decode(*req).shape == got[0].shape  # and the new server answers
+    finally:
+        decoder.gate.set()
+        old_thread.join(20)
+        if new is not None:
+            from bicodec_shm import processes
+
+            processes.stop_server(new, timeout=30)
+        log.close()
+
+
 def test_6_a_successor_is_still_refused_by_a_server_that_is_not_stopping(shm_name):
     server = DecoderServer(reference_model(), shm_name, slots=1)
     thread = _start(server)
@@ -475,6 +507,36 @@ def test_14_an_answered_client_s_next_request_is_not_left_for_the_reaper_tick(sh
                 client.decode([1 + i, 2], [0] * 32)
             # A lost wake-up waits for the reaper's tick (5 s); twenty tiny decodes take ~0.1 s.
             assert time.monotonic() - t0 < 5.0
+    finally:
+        _stop(server, thread)
+
+
+def test_14_a_request_sent_while_its_answer_is_being_rung_is_not_skipped(shm_name, monkeypatch):
+    """The race made deterministic: the lane's post goes out, the client sends its next request
+    at once and the other lane (the dispatcher) scans for it, all before the lane returns from
+    ringing. The slot must no longer count as held by then, or the request waits for the
+    reaper's tick (5 s here)."""
+    import bicodec_shm.server as server_module
+
+    real_ring = server_module.ring
+
+    def slow_ring(seg, slots, bells):
+        real_ring(seg, slots, bells)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not (seg.field["state"][slots] == READY).all():
+            time.sleep(0.001)  # the client resubmits ...
+        time.sleep(0.05)  # ... and the dispatcher wakes and scans
+
+    monkeypatch.setattr(server_module, "ring", slow_ring)
+    server = DecoderServer(reference_model(), shm_name, slots=4, lanes=2, reap_interval=5.0, rejoin_ms=0)
+    thread = _start(server)
+    try:
+        with DecoderClient(shm_name, slots=1) as client:
+            client.decode([1, 2], [0] * 32)
+            for i in range(3):
+                t0 = time.monotonic()
+                client.decode([3 + i, 2], [0] * 32)
+                assert time.monotonic() - t0 < 2.0, "the request waited for the reaper's tick"
     finally:
         _stop(server, thread)
 

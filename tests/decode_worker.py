@@ -27,12 +27,13 @@ def main() -> int:
     p.add_argument("--concurrent", type=int, default=1, help="asyncio requests in flight")
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--max-len", type=int, default=60, help="longest request in tokens")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
     lo = min(5, args.max_len)
     reqs = [(rng.integers(0, 8192, int(rng.integers(lo, args.max_len + 1))), rng.integers(0, 4096, 32))
             for _ in range(args.n)]  # fmt: skip
-    with DecoderClient(args.name, slots=args.slots, connect_timeout=60, timeout=120) as client:
+    with DecoderClient(args.name, slots=args.slots, connect_timeout=60, timeout=args.timeout) as client:
         if args.concurrent > 1:
             async def run():
                 sem = asyncio.Semaphore(args.concurrent)

@@ -111,3 +111,46 @@ class GatedDecoder:
     def detokenize(self, *args):
         self.gate.wait(60)
         return self.model.detokenize(*args)
+
+
+class SteppedDecoder:
+    """The tiny model, one batch at a time under the test's control: batch i announces itself
+    (``wait_entered(i + 1)`` returns) and then waits until the test has called ``step()`` i + 1
+    times. So a test knows which batch is running, and what is queued behind it, without sleeps."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.model = reference_model()
+        self.device, self.config = self.model.device, self.model.config
+        self.calls: list[int] = []  # rows of each batch, in order
+        self._opened = 0
+        self._cond = threading.Condition()
+
+    def detokenize(self, semantic_ids, global_ids, lengths):
+        with self._cond:
+            index = len(self.calls)
+            self.calls.append(int(semantic_ids.shape[0]))
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._opened > index, 60):
+                raise RuntimeError(f"batch {index} was never let through")
+        return self.model.detokenize(semantic_ids, global_ids, lengths)
+
+    def wait_entered(self, batches: int, timeout: float = 30.0) -> None:
+        """Until the ``batches``-th batch has reached the decoder; fails after ``timeout``."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.calls) >= batches, timeout), self.calls
+
+    def step(self) -> None:
+        """Let the next batch through."""
+        with self._cond:
+            self._opened += 1
+            self._cond.notify_all()
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "a condition") -> None:
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -105,17 +106,29 @@ def test_spark_tts_shapes_are_one_request_everywhere(thread_server, shm_name):
 
 
 def test_200_concurrent_coroutines_all_complete_correctly(thread_server, shm_name):
-    thread_server(max_batch=16)
+    """200 coroutines on one handle; the thread count is sampled while all 200 are in flight
+    (the decoder is gated) and until they finish: one waiter thread per handle at most, never
+    one per request."""
+    decoder = GatedDecoder()
+    thread_server(decoder, max_batch=16)
     rng = np.random.default_rng(5)
     reqs = [(rng.integers(0, 8192, int(rng.integers(2, 12))), rng.integers(0, 4096, 32))
             for _ in range(200)]  # fmt: skip
 
     async def main(client):
         threads_before = threading.active_count()
-        results = await asyncio.gather(*(client.decode_async(s, g) for s, g in reqs))
-        # One waiter thread per handle, never one per request.
-        assert threading.active_count() <= threads_before + 1
-        return results
+        peak = threads_before
+        tasks = [asyncio.create_task(client.decode_async(s, g)) for s, g in reqs]
+        for _ in range(50):  # every call has started and is waiting (the decoder is gated)
+            await asyncio.sleep(0.002)
+            peak = max(peak, threading.active_count())
+        assert not any(t.done() for t in tasks), "all 200 must be in flight while sampling"
+        decoder.gate.set()
+        while not all(t.done() for t in tasks):
+            peak = max(peak, threading.active_count())
+            await asyncio.sleep(0.002)
+        assert peak <= threads_before + 1, (threads_before, peak)
+        return [t.result() for t in tasks]
 
     with DecoderClient(shm_name, slots=8) as client:
         results = asyncio.run(main(client))
@@ -211,6 +224,25 @@ def test_handle_carried_across_fork_reattaches_with_its_own_slots(thread_server,
         assert set(client._att.owned) == parent_slots  # the parent is unaffected
         client._att.give(*held)
         assert client.decode([9, 9, 9], GLB).shape == (3 * HOP,)
+    finally:
+        client.close()
+
+
+def test_the_at_fork_hook_resets_the_handle_in_the_child_before_any_call(thread_server, shm_name):
+    """The child's handle is reset at fork itself, not lazily at its first call: a lock that
+    another parent thread held at fork is a fresh one, and the parent's attachment is gone."""
+    thread_server()
+    client = DecoderClient(shm_name, slots=2)
+    try:
+        client.decode([9, 9, 9], GLB)
+        assert client._att is not None
+
+        def reset_before_any_call():
+            return client._pid == os.getpid() and client._att is None and not client._lock.locked()
+
+        with client._lock:  # as if another thread were inside the handle at fork
+            check_in_forked_child(reset_before_any_call)
+        assert client._att is not None and client.decode([9, 9, 9], GLB).shape == (3 * HOP,)
     finally:
         client.close()
 

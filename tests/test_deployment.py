@@ -27,7 +27,9 @@ from bicodec_shm.transport import (
     stats_from_header,
 )
 
-UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+# A new user namespace (mapped to root in there) lets an unprivileged user make the PID namespace.
+UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
+PID_LAUNCHER = os.path.join(TESTS, "pid_launcher.py")
 
 
 def _unshare_works() -> str | None:
@@ -35,7 +37,9 @@ def _unshare_works() -> str | None:
         done = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unshare is not available: {exc}"
-    return None if done.returncode == 0 else f"unshare --pid is not permitted here: {done.stderr.strip()}"
+    if done.returncode != 0:
+        return f"unshare --user --pid is not permitted here (user namespaces off?): {done.stderr.strip()}"
+    return None
 
 
 needs_unshare = pytest.mark.skipif(bool(_unshare_works()), reason=_unshare_works() or "")
@@ -48,24 +52,44 @@ def _check_worker_output(path: str, n: int) -> None:
             assert np.abs(z[f"pcm_{i}"].astype(np.int32) - expected).max() <= 1
 
 
+def _pid_dead_in_host_view(low: int = 50, high: int = 5000) -> int:
+    """A PID that no process has here (the host's view), for a server in another namespace."""
+    for pid in range(low, high):
+        if not os.path.exists(f"/proc/{pid}"):
+            return pid
+    pytest.skip(f"every PID in [{low}, {high}) is in use here")
+
+
 @needs_unshare
 def test_a_server_in_another_pid_namespace_is_seen_alive_and_served(shm_name, tmp_path):
-    """Finding 7: liveness by locks, not /proc: a Kubernetes sidecar or docker --ipc=container."""
-    server = subprocess.Popen([*UNSHARE, *serve_command(shm_name)], cwd=ROOT, stderr=subprocess.DEVNULL)
+    """Finding 7: liveness by locks, not /proc: a Kubernetes sidecar or docker --ipc=container.
+
+    The server runs as a PID that is dead in our view, so a client that judged liveness by
+    ``/proc/<server_pid>`` or ``kill(pid, 0)`` would give up on a live server."""
+    ns_pid = _pid_dead_in_host_view()
+    launcher = [sys.executable, PID_LAUNCHER, str(ns_pid)]
+    server = subprocess.Popen([*UNSHARE, *launcher, *serve_command(shm_name)], cwd=ROOT,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         wait_until_serving(shm_name, proc=server)
-        # Its pid means nothing here: in its namespace it is a low number (1 or 2).
-        assert int(read_header(shm_name)["server_pid"]) != server.pid
+        # Its pid, as it reports it, is its own namespace's: no live process has it here.
+        reported = int(read_header(shm_name)["server_pid"])
+        assert reported == ns_pid != server.pid
+        assert not os.path.exists(f"/proc/{reported}")
+        with pytest.raises(ProcessLookupError):
+            os.kill(reported, 0)
         out = str(tmp_path / "w.npz")
-        assert subprocess.run(worker_command(shm_name, "1", "4", out), cwd=ROOT, timeout=120).returncode == 0
+        worker = worker_command(shm_name, "1", "4", out, "--timeout", "20")
+        assert subprocess.run(worker, cwd=ROOT, timeout=120).returncode == 0
         _check_worker_output(out, 4)
         # And a second server here cannot take it over.
         second = subprocess.run(serve_command(shm_name), cwd=ROOT, capture_output=True, text=True,
                                 timeout=120)  # fmt: skip
-        assert second.returncode != 0 and "already serving" in second.stderr
+        assert second.returncode != 0 and "already being served" in second.stderr
         assert probe(shm_name) is ServerState.SERVING
     finally:
-        # unshare ignores SIGTERM while it waits: signal the server itself (PID 1 in there).
+        # unshare ignores SIGTERM while it waits: signal the launcher (PID 1 in there), which
+        # passes it on to the server.
         for pid in _children(server.pid):
             os.kill(pid, signal.SIGTERM)
         assert server.wait(60) == 0
@@ -92,7 +116,7 @@ def test_a_client_in_another_pid_namespace_is_served_and_a_second_server_there_r
     _check_worker_output(out, 4)
     second = subprocess.run([*UNSHARE, *serve_command(shm_name)], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)  # fmt: skip
-    assert second.returncode != 0 and "already serving" in second.stderr
+    assert second.returncode != 0 and "already being served" in second.stderr
     assert probe(shm_name) is ServerState.SERVING
 
 

@@ -16,7 +16,7 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import ROOT
-from support import reference_model
+from support import SteppedDecoder, reference_model, wait_for
 
 import bicodec_shm
 from bicodec_shm.cli import main
@@ -303,6 +303,64 @@ def test_scrapes_during_and_after_load_match_the_requests_and_stats(start_server
     assert _get(after, "bicodec_shm_slots_ready") == _get(after, "bicodec_shm_slots_busy") == 0
     assert _get(after, "bicodec_shm_lanes") == stats["lanes"]
     assert _get(after, "bicodec_shm_lanes_busy") == stats["busy_lanes"] == 0
+
+
+def test_a_known_sequence_of_batches_gives_known_counters_and_buckets(thread_server, shm_name, parser):
+    """Expected values from what the test did, not from the exporter's formulas: three batches
+    of known rows and lengths, held at the decoder for known times.
+
+    a (12 tokens) runs alone and is held HOLD s; b (7) runs alone and is released at once, after
+    four more requests (5, 17, 30, 9 tokens) are queued behind it; those four then run as one
+    batch, held HOLD s. So: padded tokens 12 + 7 + 4·30, batch sizes 1, 1, 4; every request
+    queued well under 1 s; a and the four took over 1 s from submit to answer, b well under."""
+    hold, bound = 1.05, "1.0"  # seconds held; the bucket bound that separates held from not
+    decoder = SteppedDecoder()
+    server = thread_server(decoder, max_batch=8, max_batch_tokens=None, min_fill=0.0, lanes=1,
+                           max_wait_ms=0, rejoin_ms=0, metrics_port=0, metrics_host="127.0.0.1")  # fmt: skip
+    lengths = {"a": 12, "b": 7, "c": 5, "d": 17, "e": 30, "f": 9}
+    rng = np.random.default_rng(4)
+    with DecoderClient(shm_name, slots=6) as client:
+
+        def send(key: str) -> threading.Thread:
+            ids = rng.integers(0, 8192, lengths[key]), rng.integers(0, 4096, 32)
+            thread = threading.Thread(target=client.decode, args=ids)
+            thread.start()
+            return thread
+
+        a = send("a")
+        decoder.wait_entered(1)
+        time.sleep(hold)  # how long a is held: a duration under test, not an ordering
+        decoder.step()
+        a.join(30)
+        b = send("b")
+        decoder.wait_entered(2)
+        rest = [send(k) for k in "cdef"]
+        states = server.segment.slots["state"]
+        wait_for(lambda: int((states == SlotState.READY).sum()) == 4, what="four queued requests")
+        decoder.step()
+        decoder.wait_entered(3)
+        time.sleep(hold)
+        decoder.step()
+        for t in [b, *rest]:
+            t.join(30)
+        assert not any(t.is_alive() for t in [a, b, *rest])
+        samples = _scrape(parser, server.metrics.url)
+    assert decoder.calls == [1, 1, 4]
+    assert _get(samples, "bicodec_shm_requests_total") == 6
+    assert _get(samples, "bicodec_shm_batches_total") == 3
+    assert _get(samples, "bicodec_shm_decoded_tokens_total") == sum(lengths.values()) == 80
+    assert _get(samples, "bicodec_shm_padded_tokens_total") == 12 + 7 + 4 * 30
+    sizes, batches, rows = _histogram(samples, "bicodec_shm_batch_size", (1, 2, 4, 8, 16, 32, 64))
+    assert (sizes, batches, rows) == ([2, 2, 3, 3, 3, 3, 3, 3], 3, 6)
+
+    def under(name: str) -> float:  # how many fell at or under the bound
+        return _get(samples, f"{name}_bucket", le=bound)
+
+    assert under("bicodec_shm_request_queue_time_seconds") == 6
+    assert under("bicodec_shm_request_latency_seconds") == 1  # b
+    assert under("bicodec_shm_batch_decode_time_seconds") == 1  # b's batch
+    assert _get(samples, "bicodec_shm_request_latency_seconds_sum") > 5 * hold
+    assert _get(samples, "bicodec_shm_request_queue_time_seconds_sum") < 6 * 1.0
 
 
 def test_port_zero_picks_a_free_port_that_close_releases(thread_server, shm_name, parser):

@@ -24,6 +24,7 @@ from support import (
     join_within,
     reference_model,
     seeded_request,
+    wait_for,
     worker_command,
 )
 
@@ -36,7 +37,9 @@ from bicodec_shm.errors import (
 )
 from bicodec_shm.server import DecoderServer
 from bicodec_shm.transport import (
+    Segment,
     ServerState,
+    SlotState,
     leftover_objects,
     probe,
     random_name,
@@ -264,6 +267,13 @@ def test_two_servers_started_at_the_same_moment_exactly_one_serves(tmp_path):
             assert left == [], left
 
 
+def _in_flight(name: str) -> int:
+    """Requests the server under ``name`` holds now: READY or BUSY slots."""
+    with Segment.attach(name) as seg:
+        states = seg.slots["state"]
+        return int(((states == SlotState.READY) | (states == SlotState.BUSY)).sum())
+
+
 def test_a_rolling_restart_under_load_loses_nothing(start_server, shm_name, tmp_path):
     """Finding 10: SIGTERM finishes the running batch and leaves queued requests to the next
     server; 8 client processes see 0 failures across two rolling restarts."""
@@ -273,8 +283,10 @@ def test_a_rolling_restart_under_load_loses_nothing(start_server, shm_name, tmp_
                for k, out in enumerate(outs)]  # fmt: skip
     try:
         for _ in range(2):
-            time.sleep(1.0)
+            # SIGTERM only once requests are queued or decoding, with every worker still at it.
+            wait_for(lambda: _in_flight(shm_name) > 0, what="requests in flight")
             server.send_signal(signal.SIGTERM)
+            assert all(w.poll() is None for w in workers), "a worker finished before the SIGTERM"
             time.sleep(0.2)
             replacement = start_server(wait=False)  # within 2 s: it waits for the old one to go
             assert server.wait(30) == 0

@@ -35,6 +35,7 @@ from bicodec_shm.transport import (
     FREE_BELL_CAP,
     READY,
     Segment,
+    SlotState,
     leftover_objects,
     random_name,
     remove_dead,
@@ -93,6 +94,7 @@ def test_1_closing_with_an_answer_written_but_not_posted_never_delivers_it_to_th
         t.start()
         assert server.at_ring.wait(30)  # A's answer is DONE in the slot, its post not yet made
         a.close()  # the old rule freed the DONE slot here
+        assert server.segment.slots["state"][0] == SlotState.DONE  # left to the reaper
         t.join(10)
         assert failed == [ClientClosedError]
         with DecoderClient(shm_name, slots=1, timeout=20) as b:
@@ -107,6 +109,26 @@ def test_1_closing_with_an_answer_written_but_not_posted_never_delivers_it_to_th
     finally:
         server.ring_gate.set()
         _stop(server, thread)
+
+
+def test_1_an_answer_is_taken_only_if_it_names_the_handle_the_claim_and_the_request(thread_server, shm_name):
+    """The identity rule alone (close() above never gets this far): the right sequence number
+    is not enough; the handle and the slot's claim epoch must match too."""
+    thread_server()
+    with DecoderClient(shm_name, slots=1) as client:
+        client.decode([1, 2, 3], [0] * 32)
+        att = client._att
+        slot, seq = att.take_slot(time.monotonic() + 5)
+        try:
+            seg = att.segment
+            ids = [att.handle_id, att.generation[slot], seq]
+            seg.result_id[slot] = ids
+            assert att.is_answer(seg, slot, seq)
+            for k in range(3):  # another handle, an earlier claim, another request
+                seg.result_id[slot] = [v + (k == i) for i, v in enumerate(ids)]
+                assert not att.is_answer(seg, slot, seq), k
+        finally:
+            att.give(slot, seq)
 
 
 def _raises(call):

@@ -84,13 +84,17 @@ def _decode_all_concurrently(client, reqs, dtype="int16"):
 
 
 def test_int16_is_the_seeds_exact_conversion(thread_server, shm_name):
+    """Bit for bit: the server's int16 is the seed's conversion of the float32 it decoded. One
+    request at a time, each a batch of its own, so the float32 twin is the same decode."""
     thread_server()
     with DecoderClient(shm_name) as client:
         for sem, glb in _requests(1, 5):
+            audio = client.decode(sem, glb, dtype="float32")
             pcm = client.decode(sem, glb)
             assert pcm.dtype == np.int16 and pcm.shape == (HOP * len(sem),)
-            expected = seed_int16(single_decode(sem, glb))
-            assert np.abs(pcm.astype(np.int32) - expected).max() <= 1
+            np.testing.assert_allclose(audio, single_decode(sem, glb), rtol=0, atol=1e-5)
+            assert np.array_equal(pcm, seed_int16(audio))
+            assert np.count_nonzero(np.abs(audio) * 32767 % 1 >= 0.5) > len(audio) // 4  # rounding would show
 
 
 def test_mixed_lengths_in_one_batch_each_get_their_lone_decode(thread_server, shm_name):

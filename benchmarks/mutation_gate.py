@@ -1,0 +1,287 @@
+"""Mutation gate: plant each of a curated list of plausible bugs, one at a time, and check that
+the tests meant to catch it fail.
+
+    python benchmarks/mutation_gate.py                  # every mutant (a few minutes)
+    python benchmarks/mutation_gate.py -k int16 -k fork # only mutants whose name contains these
+    python benchmarks/mutation_gate.py --list
+
+For each mutant the repository's package, tests, benchmarks and examples are copied into a
+temporary directory, the mutant's exact text edits are applied there (each old text must occur
+exactly once), and its targeted tests run with ``PYTHONPATH`` and the working directory at the
+copy, so that subprocesses the tests start (servers, workers) import the mutated package too.
+Verdicts: ``killed`` (the tests failed), ``survived`` (they passed: a hole in the suite),
+``timeout`` (counted as killed: the bug hangs them), ``error`` (the edit did not apply, or pytest
+could not run the selection). First, unless ``--no-baseline``, the union of the selections runs
+on an unmutated copy: a selection that fails without any bug would make every verdict "killed".
+
+Prints a table (mutant, verdict, seconds) and writes the same as JSON (``--json``). Exits 0 only
+if the baseline passed and every mutant was killed.
+
+Why a curated list rather than mutmut or cosmic-ray: those mutate operators at random across
+every line and run the whole selection per mutant, which here means thousands of mutants at
+several seconds each (multi-process tests, real shared memory), and most of what they report is
+equivalent or uninteresting. Each mutant below is a bug someone could write, or has written (the
+review findings of issue 16), paired with the test that must catch it: a survivor names the test
+to fix. The list grows with each bug fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ("bicodec_shm", "tests", "benchmarks", "examples", "pyproject.toml", "README.md")
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "out", ".pytest_cache")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A named bug: ``edits`` are (file, exact old text, new text); ``tests`` pytest arguments."""
+
+    name: str
+    why: str
+    edits: tuple[tuple[str, str, str], ...]
+    tests: tuple[str, ...]
+    timeout: float = 180.0
+
+
+def m(name: str, why: str, file: str, old: str, new: str, *tests: str, timeout: float = 180.0) -> Mutant:
+    return Mutant(name, why, ((file, old, new),), tests, timeout)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- issue 21's table ------------------------------------------------------------------------
+    m("snake-without-1/alpha", "Snake as x + sin²(αx)", "bicodec_shm/model/modules.py",
+      "return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)",
+      "return (x + s).to(x.dtype)",
+      "tests/test_spark_reference.py"),
+    m("no-d_vector-after-prenet", "the speaker vector not added after the prenet",
+      "bicodec_shm/model/decoder.py",
+      "x = (self.prenet(z, d, mask) + d[:, :, None]).to(self.dtype)",
+      "x = self.prenet(z, d, mask).to(self.dtype)",
+      "tests/test_spark_reference.py"),
+    m("server-int16-rounds", "the server rounds to int16 instead of truncating",
+      "bicodec_shm/lanes.py",
+      'np.multiply(clipped, np.float32(32767), out=pcm, casting="unsafe")',
+      'np.rint(clipped * np.float32(32767), out=clipped)\n        pcm[:] = clipped',
+      "tests/test_server.py", "-k", "int16_is_the_seeds"),
+    m("stream-int16-rounds", "the stream rounds to int16", "bicodec_shm/streaming.py",
+      'return scaled.astype("<i2").tobytes()', 'return np.rint(scaled).astype("<i2").tobytes()',
+      "tests/test_streaming.py", "-k", "snr_floor_of_each_preset"),
+    m("default-preset-no-crossfade", "streaming default with crossfade 0", "bicodec_shm/streaming.py",
+      "lookahead=20, crossfade=640", "lookahead=20, crossfade=0",
+      "tests/test_streaming.py", "-k", "snr_floor_of_each_preset"),
+    m("default-preset-lookahead16-left29", "less lookahead, more left context, same window",
+      "bicodec_shm/streaming.py",
+      "left_context=25, lookahead=20, crossfade=640", "left_context=29, lookahead=16, crossfade=640",
+      "tests/test_streaming.py", "-k", "snr_floor_of_each_preset"),
+    m("padded-tokens-counted-as-tokens", "padded_tokens counts valid tokens", "bicodec_shm/server.py",
+      "delta = np.array([rows, 1, 0, 0, tokens, rows * longest,",
+      "delta = np.array([rows, 1, 0, 0, tokens, tokens,",
+      "tests/test_metrics.py", "-k", "known_sequence"),
+    m("latency-histogram-fed-queue-times", "one-row batches: latency bins from queue times",
+      "bicodec_shm/server.py",
+      "N_TIME_BINS + bisect.bisect_left(_BUCKETS, latency)]",
+      "N_TIME_BINS + bisect.bisect_left(_BUCKETS, queued)]",
+      "tests/test_metrics.py", "-k", "known_sequence"),
+    m("latency-histogram-fed-queue-times-batched", "multi-row batches: latency bins from queue times",
+      "bicodec_shm/server.py",
+      "np.searchsorted(_BUCKETS_NS, latency_ns) + N_TIME_BINS",
+      "np.searchsorted(_BUCKETS_NS, queued_ns) + N_TIME_BINS",
+      "tests/test_metrics.py", "-k", "known_sequence"),
+    m("thread-per-decode_async", "decode_async runs decode in a worker thread", "bicodec_shm/client.py",
+      '        """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""\n',
+      '        """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""\n'
+      "        return await asyncio.to_thread(self.decode, semantic_ids, global_ids, dtype=dtype,\n"
+      "                                       timeout=timeout)\n",
+      "tests/test_client.py", "-k", "200_concurrent"),
+    m("no-at-fork-hook", "the client's at-fork hook removed (only the lazy pid check left)",
+      "bicodec_shm/client.py",
+      "os.register_at_fork(after_in_child=_after_fork_in_child)", "pass  # no at-fork hook",
+      "tests/test_client.py", "-k", "at_fork_hook"),
+    m("pickle-in-slot_io", "slot_io imports pickle", "bicodec_shm/slot_io.py",
+      "from __future__ import annotations\n", "from __future__ import annotations\n\nimport pickle  # noqa\n",
+      "tests/test_public_api.py", "-k", "unpickled"),
+    m("eval-in-attachment", "attachment evaluates text", "bicodec_shm/attachment.py",
+      "from __future__ import annotations\n",
+      "from __future__ import annotations\n\n_parse = lambda text: eval(text)  # noqa\n",
+      "tests/test_public_api.py", "-k", "unpickled"),
+    m("liveness-by-proc-pid", "a client judges the server alive by /proc/<server_pid>",
+      "bicodec_shm/transport.py",
+      "            return held_elsewhere(fd, SERVING_BYTE)\n        except OSError:",
+      "            return os.path.exists(f\"/proc/{int(self.header['server_pid'])}\")\n"
+      "        except OSError:",
+      "tests/test_deployment.py", "-k", "server_in_another_pid_namespace", timeout=240),
+    m("greedy-slot-claims-at-attach", "a handle claims all its slots when it attaches",
+      "bicodec_shm/client.py",
+      "        return Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)",
+      "        att = Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)\n"
+      "        for _ in range(self.max_slots):\n"
+      "            att._claim_or_none()\n"
+      "        return att",
+      "tests/test_client.py", "-k", "claimed_on_demand"),
+    # -- issue 16's findings, each brought back -------------------------------------------------
+    Mutant("f1-unmap-frees-DONE-slots", "close() frees a slot whose answer is written, not posted",
+           (("bicodec_shm/attachment.py",
+             "            for slot in owned:\n                if int(states[slot]) == CLAIMED:",
+             "            for slot in owned:\n"
+             "                if int(states[slot]) in (CLAIMED, 4):  # 4 is DONE"),),
+           ("tests/test_review_findings.py", "-k", "test_1_")),  # fmt: skip
+    m("identity-checks-only-seq", "is_answer compares the sequence number only", "bicodec_shm/attachment.py",
+      "return seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq]",
+      "return int(seg.result_id[slot][2]) == seq",
+      "tests/test_review_findings.py", "-k", "test_1_an_answer"),
+    m("f2-submit-time-not-clamped", "a client's t_submit_ns trusted as written", "bicodec_shm/slot_io.py",
+      'submitted = rows["t_submit_ns"][ok].clip(0, np.uint64(2**62)).astype(np.int64)',
+      'submitted = rows["t_submit_ns"][ok].astype(np.int64)',
+      "tests/test_review_findings.py", "-k", "test_2_ or s6_"),
+    m("f3-ctrl-c-keeps-the-slot", "KeyboardInterrupt in decode skips giving the slot back",
+      "bicodec_shm/client.py",
+      "            except BaseException:\n                # Ctrl-C, a signal handler's",
+      "            except Exception:\n                # Ctrl-C, a signal handler's",
+      "tests/test_review_findings.py", "-k", "test_3_4"),
+    m("f5-no-refit-to-the-attachment", "a request not re-checked against the server it goes to",
+      "bicodec_shm/client.py",
+      "        semantic.shape[0] > att.max_tokens\n", "        False\n",
+      "tests/test_review_findings.py", "-k", "test_5_"),
+    m("f6-successor-refused-while-stopping", "a new serve refuses at once a name being served",
+      "bicodec_shm/cli.py",
+      "grace = NAME_GRACE if grace is None else grace", "grace = 0.0",
+      "tests/test_review_findings.py", "-k", "test_6_a_successor_waits"),
+    m("f12-free-doorbell-unbounded", "the free doorbell posted on every give-back",
+      "bicodec_shm/transport.py", "if free.value < FREE_BELL_CAP:", "if True:",
+      "tests/test_review_findings.py", "-k", "test_12_"),
+    m("f14-ring-before-release", "_release_and_ring posts before the slots leave the held set",
+      "bicodec_shm/server.py",
+      "            self._held.difference_update(slots)\n            ring(self.segment, slots, bells)",
+      "            ring(self.segment, slots, bells)\n            self._held.difference_update(slots)",
+      "tests/test_review_findings.py", "-k", "test_14_"),
+    m("f15-dead-members-counted-up", "group totals count a member that does not serve",
+      "bicodec_shm/group.py",
+      'up = [m for m in members if "requests" in m and m.get("server_alive")]',
+      'up = [m for m in members if "requests" in m]',
+      "tests/test_review_findings.py", "-k", "test_15_"),
+)
+
+
+def make_copy(dest: Path) -> None:
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=IGNORED)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+
+
+def apply(root: Path, mutant: Mutant) -> str | None:
+    """Apply the edits in ``root``; None, or why they do not apply."""
+    for file, old, new in mutant.edits:
+        path = root / file
+        text = path.read_text()
+        if text.count(old) != 1:
+            return f"{file}: the old text occurs {text.count(old)} times (expected once)"
+        path.write_text(text.replace(old, new))
+    return None
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
+    """(verdict for a mutant, seconds, the output's tail)."""
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        if isinstance(out, bytes):
+            out = out.decode(errors="replace")
+        return "timeout", time.monotonic() - t0, out[-2000:]
+    seconds = time.monotonic() - t0
+    verdict = {0: "survived", 1: "killed"}.get(done.returncode, "error")
+    return verdict, seconds, (done.stdout + done.stderr)[-2000:]
+
+
+def check_one(mutant: Mutant) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bcshm-mutant-") as tmp:
+        root = Path(tmp)
+        make_copy(root)
+        problem = apply(root, mutant)
+        if problem:
+            return {"mutant": mutant.name, "verdict": "error", "seconds": 0.0, "detail": problem}
+        verdict, seconds, tail = run_tests(root, mutant.tests, mutant.timeout)
+    row = {"mutant": mutant.name, "verdict": verdict, "seconds": round(seconds, 1), "why": mutant.why,
+           "tests": " ".join(mutant.tests)}
+    if verdict in ("survived", "error"):
+        row["detail"] = tail
+    return row
+
+
+def baseline(mutants: list[Mutant]) -> dict:
+    """Every mutant's selection on the unmutated copy: each must pass."""
+    with tempfile.TemporaryDirectory(prefix="bcshm-baseline-") as tmp:
+        root = Path(tmp)
+        make_copy(root)
+        failures, seconds = [], 0.0
+        for mutant in mutants:
+            verdict, took, tail = run_tests(root, mutant.tests, mutant.timeout)
+            seconds += took
+            if verdict != "survived":  # "survived" = the tests passed
+                failures.append({"tests": " ".join(mutant.tests), "verdict": verdict, "detail": tail})
+    return {"passed": not failures, "seconds": round(seconds, 1), "failures": failures}
+
+
+def selections(mutants: list[Mutant]) -> list[Mutant]:
+    """One mutant per distinct test selection (the baseline runs each selection once)."""
+    seen: dict[tuple[str, ...], Mutant] = {}
+    for mutant in mutants:
+        seen.setdefault(mutant.tests, mutant)
+    return list(seen.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-k", action="append", default=[], help="only mutants whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "out" / "mutation_gate.json"))
+    args = parser.parse_args()
+    chosen = [mt for mt in MUTANTS if not args.k or any(k in mt.name for k in args.k)]
+    if args.list:
+        for mt in chosen:
+            print(f"{mt.name:45s} {' '.join(mt.tests)}")
+        return 0
+    report: dict = {"mutants": []}
+    if not args.no_baseline:
+        report["baseline"] = base = baseline(selections(chosen))
+        print(f"baseline (unmutated, {len(selections(chosen))} selections): "
+              f"{'passed' if base['passed'] else 'FAILED'} in {base['seconds']:.0f} s", flush=True)
+        for failure in base["failures"]:
+            print(f"  {failure['verdict']}: {failure['tests']}\n{failure['detail']}", flush=True)
+    print(f"{'mutant':45s} {'verdict':9s} {'seconds':>7s}", flush=True)
+    for mutant in chosen:
+        row = check_one(mutant)
+        report["mutants"].append(row)
+        print(f"{row['mutant']:45s} {row['verdict']:9s} {row['seconds']:7.1f}", flush=True)
+        if "detail" in row:
+            print("    " + row["detail"].strip().replace("\n", "\n    ")[-1500:], flush=True)
+    bad = [r["mutant"] for r in report["mutants"] if r["verdict"] not in ("killed", "timeout")]
+    killed = len(report["mutants"]) - len(bad)
+    print(f"{killed}/{len(report['mutants'])} killed" + (f"; not killed: {', '.join(bad)}" if bad else ""))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0 if not bad and report.get("baseline", {"passed": True})["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

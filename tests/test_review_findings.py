@@ -270,21 +270,25 @@ def test_6_a_successor_waits_for_a_server_that_finishes_its_batch(shm_name):
     old = DecoderServer(decoder, shm_name, slots=2, lanes=1)
     old_thread = _start(old)
     req = seeded_request(7, 20)
-    with DecoderClient(shm_name, slots=1, timeout=30) as client:
-        got = []
-        t = threading.Thread(target=lambda: got.append(client.decode(*req, dtype="float32")))
-        t.start()
-        _wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
-        old.stop()  # SIGTERM: it still serves the batch it holds
-        threading.Timer(1.0, decoder.gate.set).start()
-        new = DecoderServer(reference_model(), shm_name, slots=2, start_wait=20)  # waits, not refused
-        new_thread = _start(new)
-        try:
+    new = None
+    try:
+        with DecoderClient(shm_name, slots=1, timeout=30) as client:
+            got = []
+            t = threading.Thread(target=lambda: got.append(client.decode(*req, dtype="float32")))
+            t.start()
+            _wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
+            old.stop()  # SIGTERM: it still serves the batch it holds
+            threading.Timer(1.0, decoder.gate.set).start()
+            new = DecoderServer(reference_model(), shm_name, slots=2, start_wait=20)  # waits, not refused
+            new.start_thread()
             old_thread.join(20)
             t.join(20)
             np.testing.assert_allclose(got[0], _lone(req), atol=1e-5, rtol=0)
-        finally:
-            _stop(new, new_thread)
+    finally:
+        decoder.gate.set()
+        old_thread.join(20)
+        if new is not None:
+            new.close()
 
 
 def test_6_serve_started_while_the_old_server_finishes_its_batch_takes_over(shm_name, tmp_path):

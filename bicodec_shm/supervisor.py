@@ -26,6 +26,7 @@ signals, and nothing it does is on a request's path.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys

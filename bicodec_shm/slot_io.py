@@ -227,7 +227,7 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
     ``semantic_vocab`` and ``global_vocab`` override the vocabularies of level 0 and of the
     global ids (default: the segment's codec).
     """
-    codec, lay = seg.codec, seg.layout
+    codec = seg.codec
     vocabs = list(codec.level_vocab)
     if semantic_vocab is not None:
         vocabs[0] = semantic_vocab

@@ -56,13 +56,16 @@ USES_SERVER = re.compile(r"\b(DecoderClient|BiCodecBatchDecoder|DecodeStream)\b"
 STOP_INSTRUCTION = re.compile(r"Ctrl-C\b.{0,60}?\b(above|previous)\b", re.S)
 DOCUMENTED_PORTS = ("8000", "9410")
 
-# (pattern of a command, why it is not run here). Only the network, a GPU, and the suite itself.
+# (pattern of a command, why it is not run here). Only the network, a GPU, the suite itself, and
+# the Ray cluster that tests/test_ray.py runs.
 SKIPS = (
     (r"^pip install\b", "needs the network: installs packages (this environment has them)"),
     (r"^python3? -m venv\b|^\. \.venv/bin/activate\b", "a fresh virtualenv, for the installs above"),
     (r"\bhf download\b|\bhuggingface-cli\b|\bsnapshot_download\b", "needs the network: the weights"),
     (r"--device[ =]cuda", "needs a GPU"),
     (r"-m pytest\b", "runs this test suite itself (CI runs it)"),
+    (r"\bray (start|stop)\b|\bserve (run|shutdown)\b|--url http://127\.0\.0\.1:8000 --requests 64",
+     "a two-node Ray cluster: tests/test_ray.py runs these steps"),
 )
 SERVE = re.compile(r"\bbicodec-shm serve\b")
 LONG_RUNNING = re.compile(r"\bbicodec-shm serve\b|^(\w+=\S*\s+)*uvicorn\b")
@@ -359,7 +362,7 @@ def test_the_readme_skips_only_what_needs_the_network_or_a_gpu():
     bash = [block for block in blocks("README.md") if block.language == "bash"]
     chains = [chain for block in bash for chain in commands(block.code)]
     skipped = [(" && ".join(chain), skip_reason(chain)) for chain in chains if skip_reason(chain)]
-    network, weights, gpu = SKIPS[0][1], SKIPS[2][1], SKIPS[3][1]
+    network, weights, gpu, ray = SKIPS[0][1], SKIPS[2][1], SKIPS[3][1], SKIPS[5][1]
     assert [why for _, why in skipped] == [
         SKIPS[1][1],  # a fresh machine: venv, installs, then the demo (test_cli runs the demo)
         network,  # the test extras, then the test suite
@@ -371,4 +374,9 @@ def test_the_readme_skips_only_what_needs_the_network_or_a_gpu():
         gpu,  # a server group on cuda:0,cuda:1
         network,  # the metrics extra
         weights,  # hf download of snac_24khz, then its server
+        network,  # the ray extra
+        ray, ray,  # ray start: head, second node
+        ray,  # serve run
+        ray,  # the load against Serve's proxy
+        ray,  # serve shutdown && ray stop
     ], skipped

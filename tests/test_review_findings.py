@@ -661,23 +661,27 @@ def test_s4_a_second_sigterm_during_the_stop_still_unlinks_everything(shm_name):
 
 def test_queued_requests_fail_fast_once_the_server_stopped_with_no_successor(shm_name):
     decoder = GatedDecoder()
-    server = DecoderServer(decoder, shm_name, slots=4, lanes=1)
+    server = DecoderServer(decoder, shm_name, slots=8, lanes=1)
     thread = _start(server)
     with DecoderClient(shm_name, slots=4, timeout=30) as client:
 
-        async def four():
-            return await asyncio.gather(*(client.decode_async([1, 2, i], [0] * 32) for i in range(4)),
-                                        return_exceptions=True)  # fmt: skip
+        async def run():
+            first = asyncio.ensure_future(client.decode_async([1, 2, 9], [0] * 32))
+            await asyncio.to_thread(_wait_for, lambda: int(server.segment.header["busy_lanes"]) == 1)
+            queued = [asyncio.ensure_future(client.decode_async([1, 2, i], [0] * 32)) for i in range(3)]
+            await asyncio.to_thread(_wait_for, lambda: int((server.segment.slots["state"] == READY).sum()) == 3)
+            t0 = time.monotonic()
+            server.stop()  # SIGTERM with no successor: the running batch is finished ...
+            decoder.gate.set()
+            outcomes = await asyncio.gather(first, *queued, return_exceptions=True)
+            return outcomes, time.monotonic() - t0
 
-        t0 = time.monotonic()
-        threading.Timer(0.5, server.stop).start()
-        threading.Timer(0.6, decoder.gate.set).start()
-        outcomes = asyncio.run(four())
-        elapsed = time.monotonic() - t0
+        outcomes, elapsed = asyncio.run(run())
         thread.join(20)
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    assert failed and all(isinstance(o, ServerUnavailableError) for o in failed), outcomes
-    assert all("stopped" in str(o) for o in failed)
+    assert isinstance(outcomes[0], np.ndarray)  # ... and answered
+    queued = outcomes[1:]
+    assert all(isinstance(o, ServerUnavailableError) for o in queued), outcomes
+    assert all("stopped" in str(o) for o in queued)
     assert elapsed < 15  # the 5 s grace, not the 30 s timeout
 
 

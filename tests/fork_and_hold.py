@@ -24,6 +24,9 @@ if __name__ == "__main__":
 
     asyncio.run(two())
     assert client._att.waiter is not None and client._att.waiter.is_alive()
+    # Two requests about to be written hold their slots (an idle handle holds none) at the fork.
+    held = [client._att.take_slot(time.monotonic() + 10) for _ in range(2)]
+    assert len(held) == 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads: the point here
         child = os.fork()

@@ -255,8 +255,8 @@ def test_a_second_supervisor_or_server_under_the_same_name_is_refused(group, cap
     code = cli.main(["serve", "--device", "cpu,cpu", "--name", group.name, "--preset", "tiny"])
     assert code == 1
     err = capsys.readouterr().err
-    assert f"a bicodec-shm server group already serves {group.name!r}" in err
-    assert "stop it first" in err
+    assert f"{group.name!r} is already being served (a server group, supervisor pid" in err
+    assert "stop that server first" in err
     with pytest.raises(ServerAlreadyRunningError, match="server group already serves"):
         GroupObject.create(group.name, ["cpu"])
     # A single server under the group's name, or a member's, is refused as well.
@@ -283,8 +283,10 @@ def test_a_group_handle_carried_across_fork_uses_its_own_slots(group):
     client = DecoderClient(group.name, slots=2, timeout=60)
     sem, glb = seeded_request(5, n=20)
     try:
-        for _ in range(4):  # sequential: the parent ends up with one idle slot per member used
+        for _ in range(4):
             client.decode(sem, glb)
+        member = client._group.pick()
+        held = member.take_slot(time.monotonic() + 10)  # a request about to be written, at fork
         parent = _owned(client)
         assert parent
 
@@ -295,6 +297,7 @@ def test_a_group_handle_carried_across_fork_uses_its_own_slots(group):
         check_in_forked_child(child_attaches_afresh_with_slots_of_its_own)
         assert_lone_int16(client.decode(sem, glb), sem, glb)  # the parent is unaffected
         assert parent <= _owned(client)  # still its own slots
+        member.give(*held)
     finally:
         client.close()
 

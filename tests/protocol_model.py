@@ -236,10 +236,16 @@ class _Step:
             if sl.lock == c and i in cl.owned else sl
             for i, sl in enumerate(self.slots(cl.inc))
         )  # fmt: skip
+        if cl.warm:
+            # _unmap: the warm slot too, re-locked and freed if still CLAIMED at its epoch.
+            i, gen = cl.warm
+            slot = new[i]
+            if slot.lock is None and slot.state == CLAIMED and slot.gen == gen:
+                new = _set(new, i, slot._replace(state=FREE))
         s2 = self.s._replace(slots=_set(self.s.slots, cl.inc, new))
         failed = ("error",) if cl.pc in ("claim", "submit", "wait") else ()
         self.emit(f"c{c} closes its handle", self.with_client(
-            s2, c, cl._replace(pc="closed", owned=frozenset(), outcomes=cl.outcomes + failed)))  # fmt: skip
+            s2, c, cl._replace(pc="closed", owned=frozenset(), warm=(), outcomes=cl.outcomes + failed)))  # fmt: skip
 
     def die(self, c: int, cl: Client) -> None:
         # SIGKILL: the kernel drops every lock of the process; nothing else changes.

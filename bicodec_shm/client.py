@@ -504,12 +504,16 @@ def _fit(att: Attachment, request: _Request) -> None:
     """Check a validated request against the limits of the server that will decode it, before
     anything is written (a restarted server may have a smaller --max-tokens, or serve another
     codec)."""
+    # The common case costs one comparison: checked against this very layout already (the
+    # layout holds every vocabulary), and short enough for this server's slots.
+    if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:
+        return
     if request.kind != "bicodec":
-        if request.checked != att.codec or request.levels[0].shape[0] > att.max_tokens:
-            _check_request(request, att.codec, att.max_tokens, att.name)
+        _check_request(request, att.codec, att.max_tokens, att.name)
         return
     _check_codec("bicodec", None, att.codec, att.name)
     request.levels[0], request.global_ids = _fit_bicodec(att, request.levels[0], request.global_ids)
+    request.checked = att.codec
 
 
 def _fit_bicodec(att: Attachment, semantic: np.ndarray,

@@ -140,6 +140,12 @@ def client_main(argv: list[str]) -> int:
             return int(np.abs(pcm.astype(np.int32) - expected).max()) <= 1
         return float(np.abs(pcm - ref).max()) <= 1e-4
 
+    def failed(i: int, exc: BaseException, how: str) -> None:
+        note(f"E {i} {type(exc).__name__}")
+        if os.environ.get("BICODEC_SHM_SOAK_DEBUG"):  # each message too, for a failure's cause
+            with open(log_path + ".errors", "a") as f:
+                f.write(f"{time.monotonic():.3f} {how} {exc}\n")
+
     def one_sync(r: random.Random) -> None:
         i, dtype = r.randrange(count), r.choice(["int16", "float32"])
         note(f"S {i}")
@@ -150,10 +156,7 @@ def client_main(argv: list[str]) -> int:
             signal.setitimer(signal.ITIMER_REAL, 0)
         except (BiCodecShmError, Interrupted) as exc:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            note(f"E {i} {type(exc).__name__}")
-            if os.environ.get("BICODEC_SHM_SOAK_DEBUG"):
-                with open(log_path + ".errors", "a") as f:
-                    f.write(f"{time.monotonic():.3f} sync {exc}\n")
+            failed(i, exc, "sync")
             return
         note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
 
@@ -166,10 +169,7 @@ def client_main(argv: list[str]) -> int:
             try:
                 pcm = await handle[0].decode_async(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
             except BiCodecShmError as exc:
-                note(f"E {i} {type(exc).__name__}")
-                if os.environ.get("BICODEC_SHM_SOAK_DEBUG"):
-                    with open(log_path + ".errors", "a") as f:
-                        f.write(f"{time.monotonic():.3f} async {exc}\n")
+                failed(i, exc, "async")
                 return
             note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
 
@@ -314,10 +314,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                 if stopped is not None and now >= stopped[1]:
                     resume()
                 if now >= next_close:
-                    proc, _ = clients[rng.randrange(args.clients)]
-                    if proc.poll() is None:
-                        proc.send_signal(signal.SIGUSR2)
-                        closes += 1
+                    closes += _signal(clients[rng.randrange(args.clients)][0], signal.SIGUSR2)
                     next_close = next_time(args.close_every, now)
                 if now >= next_stop and stopped is None:
                     # A client, or the server (a member of a group), frozen for a moment.
@@ -328,10 +325,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                         stops += 1
                     next_stop = next_time(args.stop_every, now)
                 if now >= next_fork:
-                    proc, _ = clients[rng.randrange(args.clients)]
-                    if proc.poll() is None:
-                        proc.send_signal(signal.SIGUSR1)
-                        forks += 1
+                    forks += _signal(clients[rng.randrange(args.clients)][0], signal.SIGUSR1)
                     next_fork = next_time(args.fork_every, now)
                 if now >= next_server_kill:
                     resume()

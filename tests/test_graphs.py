@@ -9,6 +9,7 @@ eagerly. The ground truth is the lone unpadded decode.
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -247,25 +248,12 @@ def test_two_threads_sharing_the_static_buckets_each_get_their_own_audio() -> No
     """Two server lanes on one GraphedDecoder (--cuda-graphs --lanes 2) share every bucket's
     static inputs and output: load + run + clone must be one step, or a lane decodes (or
     clones) the other's batch. Padded mode runs the same steps eagerly on CPU."""
-    import threading
 
     model = reference_model()
     padded = GraphedDecoder(model, grid=BucketGrid((2,), (16,)), mode="padded")
     batches = [random_batch(2, 16, seed) for seed in (1, 2)]
     expected = [model.detokenize(*b) for b in batches]
-    wrong: list[int] = []
-
-    def hammer(k: int) -> None:
-        for _ in range(15):
-            if not torch.equal(padded.detokenize(*batches[k]), expected[k]):
-                wrong.append(k)
-
-    threads = [threading.Thread(target=hammer, args=(k,)) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert wrong == []
+    assert _threads_disagree(padded, batches, expected, rounds=15) == []
 
 
 def test_without_cuda_auto_mode_is_the_plain_decoder() -> None:
@@ -415,25 +403,12 @@ def test_cuda_graph_memory_budget(full_cuda, caplog, record_property) -> None:
 def test_cuda_two_lanes_share_the_graphs_and_each_row_gets_its_own_audio(full_cuda) -> None:
     """--cuda-graphs --lanes 2: two threads replay the same buckets; the lock keeps each
     thread's load + replay + clone together."""
-    import threading
 
     graphed = GraphedDecoder(full_cuda, grid=GPU_GRID, mode="graphs")
     batches = [random_batch(4, 50, seed) for seed in (21, 22)]
     expected = [graphed.detokenize(*b) for b in batches]
-    wrong: list[int] = []
-
-    def hammer(k: int) -> None:
-        torch.cuda.set_device(full_cuda.device)
-        for _ in range(30):
-            if not torch.equal(graphed.detokenize(*batches[k]), expected[k]):
-                wrong.append(k)
-
-    threads = [threading.Thread(target=hammer, args=(k,)) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert wrong == []
+    assert _threads_disagree(graphed, batches, expected, rounds=30,
+                             setup=lambda: torch.cuda.set_device(full_cuda.device)) == []
 
 
 @pytest.mark.gpu
@@ -504,3 +479,23 @@ def test_cuda_a_runner_on_the_second_gpu_guards_its_copy_with_that_gpus_event() 
     got = inflight.wait().pcm16.copy()
     want = (torch.clamp(model.detokenize(semantic, glob), -1, 1) * 32767).to(torch.int16).cpu().numpy()
     np.testing.assert_array_equal(got, want)
+
+
+def _threads_disagree(decoder, batches, expected, *, rounds: int, setup=None) -> list[int]:
+    """Two threads decode ``batches[0]`` and ``batches[1]`` through ``decoder`` at once,
+    ``rounds`` times each; the indices of every result that differed from ``expected``."""
+    wrong: list[int] = []
+
+    def hammer(k: int) -> None:
+        if setup is not None:
+            setup()
+        for _ in range(rounds):
+            if not torch.equal(decoder.detokenize(*batches[k]), expected[k]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return wrong

@@ -172,6 +172,16 @@ MUTANTS: tuple[Mutant, ...] = (
       'up = [m for m in members if "requests" in m and m.get("server_alive")]',
       'up = [m for m in members if "requests" in m]',
       "tests/test_review_findings.py", "-k", "test_15_"),
+    m("lane-tuner-keeps-the-slower", "the lane tuner settles on the arrangement measured slower",
+      "bicodec_shm/lane_tuner.py",
+      "best = min(means, key=means.__getitem__)",
+      "best = max(means, key=means.__getitem__)",
+      "tests/test_lane_tuner.py"),
+    m("fixed-lanes-still-tuned", "--lanes N is overridden by the tuner",
+      "bicodec_shm/server.py",
+      "if lanes is None and not cuda and len(candidates) > 1:",
+      "if not cuda and len(candidates) > 1:",
+      "tests/test_lane_tuner.py", "-k", "fixed"),
 )
 
 

@@ -5,8 +5,10 @@ runs it through the decoder, converts the audio to each row's output dtype *on t
 (int16 rows come back at half the bytes), copies it to the host once, and publishes it.
 
 - **CPU**: K lanes share one copy of the weights and split the cores between them (each lane
-  sets its own intra-op thread count): on this 2-core machine two 1-thread decodes beat one
-  2-thread decode (see benchmarks/RESULTS.md). Each lane runs one batch at a time.
+  sets its own intra-op thread count). Which K serves best depends on the machine and the
+  traffic, so by default the server measures it while serving (lane_tuner.py) and parks the
+  lanes it does not need: a lane asks for its *turn* before each batch, which tells it its
+  thread count or parks it. Each lane runs one batch at a time.
 - **CUDA**: one lane by default. It pipelines: it launches batch k, then publishes batch k-1
   (whose device-to-host copy into a pinned buffer an event guards) while k runs. Two pinned
   buffers alternate so that k's copy never overwrites what k-1's publishing reads. Each lane
@@ -176,6 +178,15 @@ class Runner:
 
 STOP = object()  # what ``take`` returns once the server is stopping
 
+_local = threading.local()  # the calling lane's intra-op thread count
+
+
+def lane_threads() -> int | None:
+    """The intra-op thread count the calling lane set (None outside a lane, or if it left
+    torch's setting alone). ``torch.get_num_threads()`` cannot tell: it reports the process-wide
+    value, while the OpenMP setting a lane makes is its own thread's."""
+    return getattr(_local, "threads", None)
+
 
 class Lane:
     """One decode worker. Lanes take turns as the dispatcher (leader/followers): a free lane
@@ -194,6 +205,9 @@ class Lane:
         finished: called likewise once all of the batch's rows are answered.
         threads: intra-op CPU threads for this lane (None: leave torch's setting).
         pipeline: overlap publishing batch k-1 with running batch k (CUDA).
+        turn: ``turn(index)`` -> this lane's thread count for its next batch, blocking while
+            the lane is parked; None once the server is stopping (sequential lanes only; None:
+            always this lane's turn, with ``threads``).
     """
 
     def __init__(self, index: int, runner: Runner, *,
@@ -202,7 +216,8 @@ class Lane:
                  fail: Callable[[Batch, int, str], None],
                  started: Callable[[Batch, int], None],
                  finished: Callable[[Batch, int], None],
-                 threads: int | None, pipeline: bool) -> None:  # fmt: skip
+                 threads: int | None, pipeline: bool,
+                 turn: Callable[[int], int | None] | None = None) -> None:  # fmt: skip
         self.index = index
         self.runner = runner
         self._take = take
@@ -210,6 +225,7 @@ class Lane:
         self._on_start, self._on_finish = started, finished
         self.threads = threads
         self.pipeline = pipeline
+        self._turn = turn
 
     def start_thread(self) -> threading.Thread:
         thread = threading.Thread(target=self.run, name=f"bicodec-shm-lane-{self.index}", daemon=True)
@@ -218,8 +234,7 @@ class Lane:
 
     def run(self) -> None:
         """Take, decode and publish batches until the server stops (in the calling thread)."""
-        if self.threads:
-            torch.set_num_threads(self.threads)  # per thread: this lane's share of the cores
+        self._set_threads(self.threads)
         if self.runner.cuda:
             # The current device is per thread: the decode's kernels, its copies, and the event
             # that guards them then all use the model's GPU and its current stream.
@@ -230,8 +245,21 @@ class Lane:
             else:
                 self._run_sequential()
 
+    def _set_threads(self, threads: int | None) -> None:
+        if threads and threads != lane_threads():
+            torch.set_num_threads(threads)  # per thread (OpenMP): this lane's share of the cores
+            _local.threads = threads
+
     def _run_sequential(self) -> None:
-        while (batch := self._take(True)) is not STOP:
+        while True:
+            if self._turn is not None:
+                threads = self._turn(self.index)  # parked here while the lane is not needed
+                if threads is None:
+                    return
+                self._set_threads(threads)
+            batch = self._take(True)
+            if batch is STOP:
+                return
             self._on_start(batch, self.index)
             self._decode_and_release(batch)
 

@@ -50,6 +50,7 @@ from .batching import (
     plan_batch,
 )
 from .errors import BiCodecShmError, ServerUnavailableError
+from .lane_tuner import LaneTuner, LaneTuning
 from .lanes import STOP, Decoded, Lane, Runner
 from .model.devices import exact_cuda_math
 from .processes import on_stop_signals
@@ -82,8 +83,10 @@ from .transport import (
 log = logging.getLogger("bicodec_shm.server")
 
 DEFAULT_REAP_INTERVAL = 0.25  # seconds; a dead client's slots come back within about this
-# Lanes on CPU, from the sweep in benchmarks/RESULTS.md: on 2 cores two 1-thread lanes decode
-# 1.24x what one 2-thread decode does.
+# Lanes on CPU: the server measures which count serves best (lane_tuner.py) among these, up to
+# the cores it has, starting from DEFAULT_CPU_LANES. More than 4 is left to --lanes: each lane
+# holds a batch's activations of its own.
+CPU_LANE_CANDIDATES = (1, 2, 4)
 DEFAULT_CPU_LANES = 2
 _COMING_BACK = frozenset((CLAIMED, DONE))  # an answered slot whose client may send again
 _BUCKETS = [int(b * 1e9) for b in TIME_BUCKETS]  # upper bounds, ns; bisect_left: "le" bins
@@ -119,7 +122,10 @@ class DecoderServer:
         max_tokens: longest request accepted (1500 tokens = 30 s).
         mode: permission bits of every object (0o600: this user only; 0o660: also the group).
         reap_interval: seconds between scans for slots of dead clients.
-        lanes: decode lanes (threads sharing the weights); None: 1 on CUDA, 2 on CPU.
+        lanes: decode lanes (threads sharing the weights, splitting the cores on CPU); None:
+            1 on CUDA; on a CPU with 2+ cores, chosen while serving among 1, 2 and 4 lanes
+            (up to the cores) by measuring each on the live traffic (lane_tuner.py).
+        lane_tuning: the measuring's knobs (``LaneTuning``) when ``lanes`` is None on a CPU.
         start_wait: seconds to wait for a server that is stopping under the same name.
         metrics_port: serve Prometheus metrics on this TCP port (0: any free port; None: off).
             Needs the ``[metrics]`` extra (prometheus_client).
@@ -150,6 +156,7 @@ class DecoderServer:
         mode: int = DEFAULT_MODE,
         reap_interval: float = DEFAULT_REAP_INTERVAL,
         lanes: int | None = None,
+        lane_tuning: LaneTuning | None = None,
         start_wait: float = DEFAULT_START_WAIT,
         metrics_port: int | None = None,
         metrics_host: str = "0.0.0.0",
@@ -182,9 +189,17 @@ class DecoderServer:
         cuda = self.device.type == "cuda"
         if cuda:
             exact_cuda_math()  # no TF32, deterministic cuDNN: batched rows stay exact
-        self.lanes = lanes or (1 if cuda else min(DEFAULT_CPU_LANES, torch.get_num_threads()))
-        # Each CPU lane gets its share of the cores; on CUDA the host threads only launch.
-        self.threads_per_lane = None if cuda else max(1, torch.get_num_threads() // self.lanes)
+        self._cores = torch.get_num_threads()
+        candidates = [c for c in CPU_LANE_CANDIDATES if c <= self._cores]
+        self._tuner: LaneTuner | None = None
+        if lanes is None and not cuda and len(candidates) > 1:
+            start = min(DEFAULT_CPU_LANES, candidates[-1])
+            self._tuner = LaneTuner(candidates, start, lane_tuning)
+            lanes = start
+        self.max_lanes = candidates[-1] if self._tuner else (lanes or 1)  # lane threads started
+        self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
+        self._turns = threading.Condition()  # parked lanes wait here for their turn
+        self._tuner_lock = threading.Lock()
         self._pipeline = cuda
         self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
         self.semantic_vocab = self.codec.level_vocab[0]
@@ -204,7 +219,7 @@ class DecoderServer:
         self._answered: set[int] = set()  # slots answered since the last batch was planned
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
-        self._lane_idle_since = [time.monotonic_ns()] * self.lanes
+        self._lane_idle_since = [time.monotonic_ns()] * self.max_lanes
         self._segment = Segment.create(
             name,
             n_slots=slots,
@@ -228,13 +243,24 @@ class DecoderServer:
                 raise
         log.info(
             "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
-            "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d (threads each: %s), mode=%o, "
+            "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d%s (threads each: %s), mode=%o, "
             "segment %.1f MiB",
             name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
-            max_batch_tokens, min_fill,
-            self.device, self.lanes, self.threads_per_lane, mode,
+            max_batch_tokens, min_fill, self.device, self.lanes,
+            f" to start, measuring {self._tuner.candidates}" if self._tuner else "",
+            self.threads_per_lane, mode,
             self._segment.layout.total_size / 2**20,
         )  # fmt: skip
+
+    @property
+    def threads_per_lane(self) -> int | None:
+        """Each CPU lane's share of the cores now (None on CUDA: the host threads only launch)."""
+        return None if self._pipeline else max(1, self._cores // self.lanes)
+
+    @property
+    def lane_choices(self) -> list:
+        """Every lane-count decision so far (``lane_tuner.Choice``; empty with fixed lanes)."""
+        return list(self._tuner.history) if self._tuner else []
 
     @property
     def segment(self) -> Segment:
@@ -255,8 +281,9 @@ class DecoderServer:
             Lane(i, Runner(self.decoder, self.device), take=self._take, publish=self._publish,
                  fail=self._fail_row,
                  started=self._lane_started, finished=self._lane_finished,
-                 threads=self.threads_per_lane, pipeline=self._pipeline)
-            for i in range(self.lanes)
+                 threads=self.threads_per_lane, pipeline=self._pipeline,
+                 turn=self._turn if self._tuner else None)
+            for i in range(self.max_lanes)
         ]  # fmt: skip
         threads: list[threading.Thread] = []
         try:
@@ -353,6 +380,29 @@ class DecoderServer:
                 return STOP
             batch = self._next_batch(block)
             return STOP if batch is None and self._stop.is_set() else batch
+
+    def _turn(self, lane: int) -> int | None:
+        """Block while ``lane`` is parked (the tuner runs fewer lanes); then its thread count
+        for the next batch, or None once the server is stopping."""
+        with self._turns:
+            parked = False
+            while lane >= self.lanes and not self._stop.is_set():
+                parked = True
+                self._turns.wait(self.reap_interval)
+            if self._stop.is_set():
+                return None
+            if parked:  # parked is not idle: its gap to the next batch is not the host's
+                self._lane_idle_since[lane] = time.monotonic_ns()
+            return self.threads_per_lane
+
+    def _apply_lanes(self, lanes: int) -> None:
+        """Run ``lanes`` lanes from their next batch on (the tuner's choice)."""
+        with self._turns:
+            self.lanes = lanes
+            self._turns.notify_all()
+        seg = self._segment
+        if seg is not None and seg.header is not None:
+            seg.header["lanes"] = lanes  # stats and metrics show the lanes running now
 
     def _next_batch(self, block: bool) -> Batch | None:
         """Wait for ready requests; plan, gather and hold the next batch."""
@@ -467,6 +517,11 @@ class DecoderServer:
             return
         try:
             self._count_batch(batch, done_ns, elapsed_ns)
+            if self._tuner is not None:
+                with self._tuner_lock:
+                    choice = self._tuner.observe(req.submitted_ns, done_ns, req.lengths)
+                if choice is not None:
+                    self._apply_lanes(choice.lanes)
         except Exception:
             log.exception("counting a batch of %d failed (its answers are unaffected)", len(req))
         finally:

@@ -1,0 +1,25 @@
+"""A closed-loop worker: sends one request, waits for its answer, sends the next, until its stdin
+closes. Prints "ready" once attached. Usage: closed_loop_client.py NAME TOKENS"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from bicodec_shm.client import DecoderClient
+
+
+def main(name: str, tokens: int) -> None:
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    rng = np.random.default_rng(tokens)
+    with DecoderClient(name, connect_timeout=30) as client:
+        print("ready", flush=True)
+        while not stop.is_set():
+            client.decode(rng.integers(0, 8192, tokens), rng.integers(0, 4096, 32))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -7,6 +7,10 @@ provides an adapter with two members::
     layout: CodecLayout                        written into the segment header
     detokenize(batch: slot_io.Batch) -> (B, spf·T) float audio on the decoder's device
 
+A decoder that plays an asynchronous device (the bench's stand-in, ``asynchronous = True``)
+also has ``launch(...)``, which returns its output at once with an event whose
+``synchronize()`` waits for the "device"; the BiCodec adapter passes it on as ``launch(batch)``.
+
 A decoder names its adapter with a ``codec_adapter()`` method (``SNACDecoder`` does); one
 without it is taken as BiCodec (``detokenize(semantic, global_ids, lengths)``, as
 ``BiCodecDecoder`` and the tests' stand-ins have). A third codec is one more model module with
@@ -45,11 +49,16 @@ class BiCodecAdapter:
         )
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
-        return self.decoder.detokenize(
-            torch.from_numpy(batch.semantic),
-            torch.from_numpy(batch.global_ids),
-            torch.from_numpy(batch.lengths),
-        )
+        return self.decoder.detokenize(*self._tensors(batch))
+
+    def launch(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """An asynchronous decoder's launch: (output, event to ``synchronize()``)."""
+        return self.decoder.launch(*self._tensors(batch))
+
+    @staticmethod
+    def _tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.from_numpy(batch.semantic), torch.from_numpy(batch.global_ids),
+                torch.from_numpy(batch.lengths))  # fmt: skip
 
 
 def codec_adapter(decoder: Any) -> CodecAdapter:

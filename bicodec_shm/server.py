@@ -192,15 +192,18 @@ class DecoderServer:
         self._cores = torch.get_num_threads()
         candidates = [c for c in CPU_LANE_CANDIDATES if c <= self._cores]
         self._tuner: LaneTuner | None = None
-        if lanes is None and not cuda and len(candidates) > 1:
+        # A decoder that plays a device (the bench's stand-in) is served as a GPU is: one lane
+        # by default, not tuned; pipelined if it launches asynchronously (lanes.Runner).
+        device_like = cuda or bool(getattr(decoder, "device_shaped", False))
+        if lanes is None and not device_like and len(candidates) > 1:
             start = min(DEFAULT_CPU_LANES, candidates[-1])
             self._tuner = LaneTuner(candidates, start, lane_tuning)
             lanes = start
-        self.max_lanes = candidates[-1] if self._tuner else (lanes or 1)  # lane threads started
         self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
+        self.max_lanes = candidates[-1] if self._tuner else self.lanes  # lane threads started
         self._turns = threading.Condition()  # parked lanes wait here for their turn
         self._tuner_lock = threading.Lock()
-        self._pipeline = cuda
+        self._pipeline = cuda or bool(getattr(decoder, "asynchronous", False))
         self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
         self.semantic_vocab = self.codec.level_vocab[0]
         self.global_vocab = self.codec.global_vocab

@@ -311,6 +311,44 @@ def test_stand_in_sleeps_a_plus_b_rows_longest_and_returns_zeros():
         standin.StandInDecoder(a_ms=-1)
 
 
+def test_the_modern_preset_plays_an_asynchronous_device_whose_batches_queue():
+    import time
+
+    import torch
+
+    preset = standin.STAND_IN_PRESETS["modern"]
+    assert (preset.a_ms, preset.b_ms, preset.asynchronous) == (4.0, 0.006, True)
+    decoder = standin.StandInDecoder(a_ms=20.0, b_ms=0.0, asynchronous=True)
+    ids, glb = torch.zeros(2, 10, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)
+    t0 = time.perf_counter()
+    out, first = decoder.launch(ids, glb)
+    _, second = decoder.launch(ids, glb)  # queued behind the first, as on one CUDA stream
+    launched = time.perf_counter() - t0
+    assert tuple(out.shape) == (2, 3200) and not out.any()
+    assert second.done_at == pytest.approx(first.done_at + 0.020)
+    assert launched < first.done_at - t0  # launching returned before the "device" finished
+    second.synchronize()
+    assert time.perf_counter() >= second.done_at  # synchronize waits out both batches
+    assert decoder.planned_s == pytest.approx(0.040) and decoder.calls == 2
+
+
+def test_the_server_pipelines_an_asynchronous_stand_in_with_one_lane(thread_server, shm_name):
+    from bicodec_shm.client import DecoderClient
+
+    decoder = standin.StandInDecoder(a_ms=2.0, b_ms=0.0, asynchronous=True)
+
+    def synchronous(*args):
+        raise AssertionError("the server waited in detokenize instead of launching")
+
+    decoder.detokenize = synchronous
+    server = thread_server(decoder)
+    assert server.lanes == 1 and server._pipeline and server.lane_choices == []
+    with DecoderClient(shm_name) as client:
+        pcm = client.decode(np.ones(30, np.int64), np.zeros(32, np.int64))
+    assert len(pcm) == 30 * 320 and not np.any(pcm)
+    assert decoder.calls == 1
+
+
 def test_ideal_batcher_from_hand_made_numbers():
     mix = workload.parse_mix("50")
     # 2 clients, 30 ms a batch of 2 whatever its size: 3 batches fit in 100 ms, the 4th would end

@@ -114,7 +114,7 @@ from .report import (
     targets,
 )
 from .sampling import _cores, environment
-from .standin import DEFAULT_A_MS, DEFAULT_B_MS, IDEAL_DEFINITION
+from .standin import DEFAULT_A_MS, DEFAULT_B_MS, IDEAL_DEFINITION, STAND_IN_PRESETS
 from .systems import per_process_threads
 from .workers import DEVICE_ENV
 from .workload import DEFAULT_MIX, parse_mix, requests_per_client
@@ -136,11 +136,20 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _stand_in_costs(text: str) -> tuple[float, float]:
-    costs = _floats(text)
+def _stand_in_costs(text: str) -> tuple[float, float, bool]:
+    """``--stand-in``: a preset name (standin.py) or ``A_MS,B_MS`` (synchronous) -> (a, b, async)."""
+    preset = STAND_IN_PRESETS.get(text.strip())
+    if preset is not None:
+        return preset.a_ms, preset.b_ms, preset.asynchronous
+    try:
+        costs = _floats(text)
+    except argparse.ArgumentTypeError:
+        costs = []
     if len(costs) != 2 or min(costs) < 0:
-        raise argparse.ArgumentTypeError(f"expected A_MS,B_MS, two numbers >= 0, got {text!r}")
-    return costs[0], costs[1]
+        raise argparse.ArgumentTypeError(
+            f"expected a preset ({', '.join(STAND_IN_PRESETS)}) or A_MS,B_MS, two numbers >= 0, "
+            f"got {text!r}")  # fmt: skip
+    return costs[0], costs[1], False
 
 
 def parse_server_arg(text: str) -> tuple[str, Any]:
@@ -173,9 +182,11 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
     p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + SNAC_MODELS,
                    help="architecture with random weights, or the device-shaped stand-in "
                         "(default spark-tts-0.5b; --quick: tiny)")  # fmt: skip
-    p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="A_MS,B_MS",
-                   help=f"the stand-in's cost per batch, A + B x rows x longest ms; implies "
-                        f"--model stand-in (default {DEFAULT_A_MS:.2f},{DEFAULT_B_MS:.4f})")  # fmt: skip
+    p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="PRESET|A_MS,B_MS",
+                   help="the stand-in: a preset, " + "; ".join(
+                       f"{k}: {v.a_ms:.4g} + {v.b_ms:.4g} x rows x longest ms, {v.about}"
+                       for k, v in STAND_IN_PRESETS.items())
+                   + "; or A,B for those costs, synchronous; implies --model stand-in (default seed)")  # fmt: skip
     p.add_argument("--n", type=_ints, default=None, metavar="N,N,...",
                    help=f"client processes (default 1,2,4,8,16; with --sweep {SWEEP_N})")  # fmt: skip
     p.add_argument("--window", type=float, default=None, metavar="SECONDS",
@@ -324,7 +335,8 @@ class Plan:
             preset=preset, seed=args.seed, mix=parse_mix(args.mix), cores=args.cores or _cores(),
             policy=Policy(args.max_batch, args.max_wait_ms, budget),
             sample_interval=args.sample_ms / 1000, timeout=args.timeout, window=window,
-            stand_in_ms=args.stand_in or (DEFAULT_A_MS, DEFAULT_B_MS), shm=variants,
+            stand_in_ms=(args.stand_in or (DEFAULT_A_MS, DEFAULT_B_MS))[:2],
+            stand_in_async=bool(args.stand_in and args.stand_in[2]), shm=variants,
             per_process_max_n=args.per_process_max_n, memory_gib=args.memory_gib,
         )  # fmt: skip
         self.ns: tuple[int, ...] = tuple(ns)
@@ -351,7 +363,8 @@ class Plan:
             load = "requests per client: " + ", ".join(f"N={n}: {self.requests[n]}" for n in ns)
         if setup.stand_in:
             a, b = setup.stand_in_ms
-            model = f"model {STAND_IN}: {a:.4g} + {b:.4g} x rows x longest ms per batch, no CPU"
+            model = (f"model {STAND_IN}: {a:.4g} + {b:.4g} x rows x longest ms per batch, no CPU"
+                     + (", an asynchronous device (one pipelined lane)" if setup.stand_in_async else ""))  # fmt: skip
         else:
             model = f"model {setup.preset} (random weights, seed {setup.seed})"
         threads = (f"torch threads: servers and the limit {setup.cores} (all cores); decoder per "
@@ -456,6 +469,7 @@ def run_and_report(args: argparse.Namespace) -> int:
     if setup.stand_in:
         a, b = setup.stand_in_ms
         report["config"]["stand_in"] = {"a_ms": a, "b_ms": b, "cost": "a + b x rows x longest ms",
+                                        "asynchronous": setup.stand_in_async,
                                         "ideal": IDEAL_DEFINITION}  # fmt: skip
     failed = sum(r.failed for r in results)
     if args.sweep:

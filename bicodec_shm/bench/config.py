@@ -90,6 +90,7 @@ class ModelSpec:
     seed: int = 0
     a_ms: float = DEFAULT_A_MS  # the stand-in's costs (standin.py)
     b_ms: float = DEFAULT_B_MS
+    asynchronous: bool = False  # the stand-in plays an asynchronous device (standin.py)
 
     @property
     def stand_in(self) -> bool:
@@ -122,6 +123,7 @@ class Setup:
     timeout: float
     window: float | None = None
     stand_in_ms: tuple[float, float] = (DEFAULT_A_MS, DEFAULT_B_MS)
+    stand_in_async: bool = False  # the stand-in plays an asynchronous device (--stand-in modern)
     shm: tuple[ShmVariant, ...] = (ShmVariant(),)
     lock_trace: str | None = None  # tests: the stand-in's per-process lock logs entry and exit
     per_process_max_n: int | None = None  # run the decoder per process only at N <= this
@@ -129,7 +131,7 @@ class Setup:
 
     @property
     def model(self) -> ModelSpec:
-        return ModelSpec(self.preset, self.seed, *self.stand_in_ms)
+        return ModelSpec(self.preset, self.seed, *self.stand_in_ms, asynchronous=self.stand_in_async)
 
     @property
     def stand_in(self) -> bool:

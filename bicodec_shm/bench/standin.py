@@ -15,6 +15,16 @@ cost as much as one batched call of ~35-40 ms, with requests of T = 50 tokens (1
 
 So a batch of 16 × 50 tokens costs ~42.5 ms where 16 single decodes cost ~480 ms.
 
+Named presets (``STAND_IN_PRESETS``; ``bench --stand-in NAME``):
+
+- ``seed``: the calibration above, a synchronous decoder (the lane sleeps through the batch);
+- ``modern``: a modern GPU, 4 ms + 0.006 ms per padded token, played as an *asynchronous*
+  device, as CUDA is: ``launch`` returns at once and the batch "runs" on a device timeline
+  (batches queue behind each other, as on one CUDA stream), and the event it returns sleeps
+  until the batch's end when synchronized. The server then serves it as it serves a GPU: one
+  pipelined lane that launches batch k and publishes batch k-1 while k runs (lanes.py).
+  Callers that use ``detokenize`` (the per-process and queue baselines) still wait the cost.
+
 The ideal batcher (``ideal_run``): what a perfect batcher with zero IPC overhead achieves with
 this stand-in under the same offered load. The offered load is N closed-loop clients, each
 with one request outstanding, drawing the same request lengths as the measured clients
@@ -49,13 +59,44 @@ DEFAULT_A_MS = 30.0 - 50 / 60  # ≈ 29.17 ms, see the module docstring
 DEFAULT_B_MS = 1 / 60  # ms per padded token (row x longest length)
 
 
+@dataclass(frozen=True)
+class StandInPreset:
+    """A named stand-in: its costs and whether it plays an asynchronous device."""
+
+    a_ms: float
+    b_ms: float
+    asynchronous: bool
+    about: str
+
+
+STAND_IN_PRESETS = {
+    "seed": StandInPreset(DEFAULT_A_MS, DEFAULT_B_MS, False, "the seed's calibration, synchronous"),
+    "modern": StandInPreset(4.0, 0.006, True, "a modern GPU, asynchronous launches"),
+}
+
+
 def cost_ms(batch: int, longest: int, *, a_ms: float, b_ms: float) -> float:
     """Milliseconds the stand-in sleeps for ``batch`` rows padded to ``longest`` tokens."""
     return a_ms + b_ms * batch * longest
 
 
+class _DeviceEvent:
+    """When a launched stand-in batch ends (perf_counter seconds); ``synchronize`` sleeps until then."""
+
+    def __init__(self, done_at: float) -> None:
+        self.done_at = done_at
+
+    def synchronize(self) -> None:
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
 class StandInDecoder:
     """Sleeps ``a_ms + b_ms·B·T`` per call, holds no CPU, returns zeros.
+
+    ``asynchronous=True`` plays a device with its own timeline (module docstring): ``launch``
+    returns at once, with an event to synchronize on; ``detokenize`` still waits.
 
     Keeps its own accounting (``calls``, ``rows``, ``padded_tokens``, ``planned_s``, the sleep
     asked for; ``slept_s``, the sleep measured), so that tests need no wall clock.
@@ -63,12 +104,16 @@ class StandInDecoder:
 
     device = "cpu"
     config = None  # the server then assumes the real vocabularies (8192 semantic, 4096 global)
+    device_shaped = True  # the server serves it as a device: one lane, not tuned like CPU lanes
 
-    def __init__(self, *, a_ms: float = DEFAULT_A_MS, b_ms: float = DEFAULT_B_MS) -> None:
+    def __init__(self, *, a_ms: float = DEFAULT_A_MS, b_ms: float = DEFAULT_B_MS,
+                 asynchronous: bool = False) -> None:  # fmt: skip
         if a_ms < 0 or b_ms < 0:
             raise ValueError(f"stand-in costs must be >= 0 ms, got a={a_ms}, b={b_ms}")
         self.a_ms = a_ms
         self.b_ms = b_ms
+        self.asynchronous = asynchronous
+        self._device_free_at = 0.0  # perf_counter seconds: when the last launched batch ends
         self.calls = 0
         self.rows = 0
         self.padded_tokens = 0
@@ -76,7 +121,20 @@ class StandInDecoder:
         self.slept_s = 0.0
 
     def __repr__(self) -> str:
-        return f"StandInDecoder(a_ms={self.a_ms:g}, b_ms={self.b_ms:g})"
+        return f"StandInDecoder(a_ms={self.a_ms:g}, b_ms={self.b_ms:g}, asynchronous={self.asynchronous})"
+
+    def launch(self, semantic_ids: Any, global_ids: Any, lengths: Any = None) -> tuple[Any, _DeviceEvent]:
+        """Queue a batch on the device timeline and return at once: ((B, 320·T) zeros, the event
+        of its end). A batch starts when the one before it ends, as on one CUDA stream."""
+        b, t = semantic_ids.shape
+        planned = cost_ms(b, t, a_ms=self.a_ms, b_ms=self.b_ms) / 1000
+        start = max(time.perf_counter(), self._device_free_at)
+        self._device_free_at = start + planned
+        self.planned_s += planned
+        self.calls += 1
+        self.rows += b
+        self.padded_tokens += b * t
+        return self._zeros(semantic_ids, b, t), _DeviceEvent(self._device_free_at)
 
     def detokenize(self, semantic_ids: Any, global_ids: Any, lengths: Any = None) -> Any:
         """(B, T) ids, (B, 32) ids, optional (B,) lengths -> (B, 320·T) float32 zeros.
@@ -93,7 +151,11 @@ class StandInDecoder:
         self.calls += 1
         self.rows += b
         self.padded_tokens += b * t
-        if isinstance(semantic_ids, np.ndarray):
+        return self._zeros(semantic_ids, b, t)
+
+    @staticmethod
+    def _zeros(like: Any, b: int, t: int) -> Any:
+        if isinstance(like, np.ndarray):
             return np.zeros((b, HOP * t), np.float32)
         import torch
 

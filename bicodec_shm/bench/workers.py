@@ -57,7 +57,8 @@ Record = tuple[float, int, int, float]
 def _load_model(spec: ModelSpec, threads: int) -> Any:
     """Build, then warm up, a decoder (the first calls pay for lazy initialisation)."""
     if spec.stand_in:
-        return StandInDecoder(a_ms=spec.a_ms, b_ms=spec.b_ms)  # no torch, nothing to warm up
+        # no torch, nothing to warm up
+        return StandInDecoder(a_ms=spec.a_ms, b_ms=spec.b_ms, asynchronous=spec.asynchronous)
     import torch
 
     torch.set_num_threads(threads)

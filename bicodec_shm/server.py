@@ -219,6 +219,9 @@ class DecoderServer:
         # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
         # order goes by this, not by a time the client wrote.
         self._confirmed: dict[int, int] = {}
+        # The validated private copies of the confirmed slots' headers, checked once, when
+        # confirmed (rows of slots no longer confirmed are dropped lazily).
+        self._checked: Requests | None = None
         self._answered: set[int] = set()  # slots answered since the last batch was planned
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
@@ -444,21 +447,32 @@ class DecoderServer:
         drain(seg.ready)  # wake-ups only: everything READY is looked at below
         confirmed, held = self._confirmed, self._held  # (membership tests only: GIL-atomic)
         now = None
+        new = []
         for slot in (seg.field["state"] == READY).nonzero()[0].tolist():  # a hint: req.I decides
             if slot not in confirmed and slot not in held and _take_post(seg.req(slot)):
                 confirmed[slot] = now = now or time.monotonic_ns()
-        if not confirmed:
-            return None
-        order = sorted(confirmed)
-        slots = np.fromiter(order, np.int64, len(order))
-        seen = np.fromiter((confirmed[s] for s in order), np.int64, len(order))
-        requests, failures = check_headers(seg, slots, seen, n_bells=self.n_bells)
-        for slot, status, message in failures:
-            self._answer_failure(slot, status, message)
-        if len(requests) != len(slots):
-            kept = set(requests.slots.tolist())
-            self._confirmed = {s: t for s, t in confirmed.items() if s in kept}
-        return requests if len(requests) else None
+                new.append(slot)
+        checked = self._checked
+        if checked is not None and len(checked) != len(confirmed) - len(new):
+            # Some left (batched, reaped, failed): keep the rows of the same confirmation (a
+            # slot batched and confirmed again since has a new row, and new seen time).
+            keep = [i for i, (s, t) in enumerate(zip(checked.slots.tolist(), checked.seen_ns.tolist()))
+                    if confirmed.get(s) == t]  # fmt: skip
+            checked = checked.take(np.asarray(keep, np.int64)) if keep else None
+        if new:
+            # Each header is copied and checked once, when its request is confirmed: its
+            # private copy then stands (later client writes cannot reach it).
+            slots = np.asarray(new, np.int64)
+            requests, failures = check_headers(seg, slots, np.full(len(new), now, np.int64),
+                                               n_bells=self.n_bells)  # fmt: skip
+            for slot, status, message in failures:
+                self._answer_failure(slot, status, message)
+            if len(requests) != len(new):
+                for slot in set(new) - set(requests.slots.tolist()):
+                    confirmed.pop(slot, None)  # not READY after all, or answered above
+            checked = requests if checked is None else checked.plus(requests)
+        self._checked = checked if checked is not None and len(checked) else None
+        return self._checked
 
     def _let_answered_clients_rejoin(self, seg: Segment, ready: Requests) -> Requests:
         """Wait up to rejoin_ms for the clients answered since the last batch was planned to

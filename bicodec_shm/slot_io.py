@@ -67,6 +67,18 @@ class Requests:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def plus(self, more: Requests) -> Requests:
+        """These rows followed by ``more``'s, as a new ``Requests``."""
+        if not len(more):
+            return self
+        if not len(self):
+            return more
+        return Requests(*(None if a is None else np.concatenate((a, b)) for a, b in zip(
+            (self.slots, self.lengths, self.ids, self.dtypes, self.notify, self.submitted_ns,
+             self.seen_ns, self.noise_seeds, self.flags),
+            (more.slots, more.lengths, more.ids, more.dtypes, more.notify, more.submitted_ns,
+             more.seen_ns, more.noise_seeds, more.flags))))  # fmt: skip
+
 
 @dataclass
 class Batch:

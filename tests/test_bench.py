@@ -413,7 +413,12 @@ def test_server_args_and_lanes_become_shm_variants():
     variants = cli.shm_variants([("reap_interval", 0.5)], (1, 2))
     assert [v.label for v in variants] == ["bicodec-shm (lanes=1)", "bicodec-shm (lanes=2)"]
     assert variants[1].server_options == {"reap_interval": 0.5, "lanes": 2}
-    for bad in ((0,), (2, 2)):
+    auto, two = cli.shm_variants([], cli._lane_counts("auto,2"))
+    assert (auto.label, auto.server_options) == ("bicodec-shm (lanes=auto)", {})  # the server's choice
+    assert (two.label, two.server_options) == ("bicodec-shm (lanes=2)", {"lanes": 2})
+    with pytest.raises(argparse.ArgumentTypeError, match="auto"):
+        cli._lane_counts("1,many")
+    for bad in ((0,), (2, 2), (None, None)):
         with pytest.raises(ValueError, match="--lanes"):
             cli.shm_variants([], bad)
     with pytest.raises(ValueError, match="not both"):

@@ -220,9 +220,11 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                    metavar="KEY=VALUE",
                    help="an extra DecoderServer keyword for bicodec-shm, e.g. lanes=2 "
                         "(repeatable; VALUE is read as a Python literal, else a string)")  # fmt: skip
-    p.add_argument("--lanes", type=_ints, default=None, metavar="K,K,...",
+    p.add_argument("--lanes", type=_lane_counts, default=None, metavar="K,K,...",
                    help="run bicodec-shm once per value with DecoderServer(lanes=K) (rows "
-                        "'bicodec-shm (lanes=K)'); without it, lanes= is not passed")  # fmt: skip
+                        "'bicodec-shm (lanes=K)'); 'auto' is the default, measured on the live "
+                        "traffic (row 'bicodec-shm (lanes=auto)'); without it, lanes= is not "
+                        "passed")  # fmt: skip
     p.add_argument("--sweep", action="store_true",
                    help="bicodec-shm alone over a grid of --sweep-wait x --sweep-tokens")
     p.add_argument("--sweep-wait", type=_floats, default=SWEEP_WAITS, metavar="MS,MS,...",
@@ -270,17 +272,35 @@ def check_server_options(options: dict[str, Any]) -> None:
                          f"its keyword arguments are {', '.join(accepted)}")  # fmt: skip
 
 
+def _lane_counts(text: str) -> tuple[int | None, ...]:
+    """``--lanes``: "1,2,auto" -> (1, 2, None); None is the server's own choice."""
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "auto":
+            out.append(None)
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected lane counts or 'auto', got {text!r}") from None
+    return tuple(out)
+
+
 def shm_variants(server_args: Sequence[tuple[str, Any]],
-                 lanes: Sequence[int] | None) -> tuple[ShmVariant, ...]:  # fmt: skip
+                 lanes: Sequence[int | None] | None) -> tuple[ShmVariant, ...]:  # fmt: skip
     """The bicodec-shm configurations to run: one per ``--lanes`` value, or just one."""
     options = dict(server_args)
     if lanes is None:
         return (ShmVariant(SHM, options),)
     if "lanes" in options:
         raise ValueError("give lanes either as --lanes or as --server-arg lanes=K, not both")
-    if not lanes or min(lanes) < 1 or len(set(lanes)) != len(lanes):
-        raise ValueError(f"--lanes needs distinct values >= 1, got {','.join(map(str, lanes))}")
-    return tuple(ShmVariant(f"{SHM} (lanes={k})", {**options, "lanes": k}) for k in lanes)
+    fixed = [k for k in lanes if k is not None]
+    if not lanes or (fixed and min(fixed) < 1) or len(set(lanes)) != len(lanes):
+        raise ValueError(f"--lanes needs distinct values >= 1 or auto, got "
+                         f"{','.join('auto' if k is None else str(k) for k in lanes)}")  # fmt: skip
+    return tuple(ShmVariant(f"{SHM} (lanes={'auto' if k is None else k})",
+                            options if k is None else {**options, "lanes": k}) for k in lanes)  # fmt: skip
 
 
 class Plan:

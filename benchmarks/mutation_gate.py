@@ -182,6 +182,11 @@ MUTANTS: tuple[Mutant, ...] = (
       "if lanes is None and not cuda and len(candidates) > 1:",
       "if not cuda and len(candidates) > 1:",
       "tests/test_lane_tuner.py", "-k", "fixed"),
+    m("stale-confirmed-row-kept", "a slot batched and confirmed again keeps its old checked row too",
+      "bicodec_shm/server.py",
+      "if confirmed.get(s) == t]",
+      "if s in confirmed]",
+      "tests/test_dispatch.py"),
 )
 
 

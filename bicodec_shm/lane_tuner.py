@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-log = logging.getLogger("bicodec_shm.server")
+log = logging.getLogger("bicodec_shm.server.lanes")  # under the server's: `serve` shows it
 
 
 @dataclass(frozen=True)

@@ -145,8 +145,30 @@ class _RecordingDecoder:
         """(B, T) long, (B, 32) long, (B,) long -> (B, 320·T) float32."""
         started = time.perf_counter()
         out = self.model.detokenize(semantic_ids, global_ids, lengths)
-        self._file.write(f"{started!r} " + " ".join(str(n) for n in lengths.tolist()) + "\n")
+        self._record(started, lengths)
         return out
+
+    def launch(self, semantic_ids: Any, global_ids: Any, lengths: Any) -> Any:
+        """An asynchronous stand-in's launch (standin.py), recorded when launched."""
+        started = time.perf_counter()
+        out = self.model.launch(semantic_ids, global_ids, lengths)
+        self._record(started, lengths)
+        return out
+
+    def _record(self, started: float, lengths: Any) -> None:
+        self._file.write(f"{started!r} " + " ".join(str(n) for n in lengths.tolist()) + "\n")
+
+
+def _show_lane_choices() -> None:
+    """Print the server's lane-count choices (lane_tuner.py) on stderr, with their numbers."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("\n  server: %(message)s"))
+    tuner_log = logging.getLogger("bicodec_shm.server.lanes")
+    tuner_log.addHandler(handler)
+    tuner_log.setLevel(logging.INFO)
 
 
 def read_batches(path: str, t0: float, t_end: float) -> list[list[int]]:
@@ -168,6 +190,7 @@ def _shm_server(name: str, spec: ModelSpec, threads: int, policy: Policy, slots:
 
         decoder = _RecordingDecoder(_load_model(spec, threads), record_path)
         options = {"slots": slots, "max_tokens": max_tokens, **server_options}
+        _show_lane_choices()
         server = DecoderServer(decoder, name, max_batch=policy.max_batch,
                                max_wait_ms=policy.max_wait_ms,
                                max_batch_tokens=policy.max_batch_tokens, **options)  # fmt: skip

@@ -25,7 +25,7 @@ from .batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
-from .codecs.layout import get_layout
+from .codecs.layout import default_max_frames, get_layout
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import GroupInfo, group_stats, read_group, validate_group_name
 from .served import describe_served
@@ -289,12 +289,6 @@ def resolve_preset(codec: str, preset: str | None) -> str:
     if preset in ("tiny", f"tiny-{rate}"):
         return f"tiny-{rate}"
     raise ValueError(f"--preset {preset} is not a {codec} model; use tiny, tiny-{rate} or {codec}")
-
-
-def default_max_frames(codec: str) -> int:
-    """Frames of 30 s of ``codec``'s audio: the default --max-tokens (BiCodec: 1500)."""
-    layout = get_layout(codec)
-    return -(-30 * layout.sample_rate // layout.samples_per_frame)
 
 
 def _check_mode(mode: int, *, allow_world: bool) -> None:

@@ -134,12 +134,34 @@ def check_noise_seed(seed: Any) -> int:
     return int(seed)
 
 
+MAX_START_FRAME = 2**32 - 1  # the slot's field is 32 bits: ~4 days of audio at 24 kHz
+
+
+def check_start_frame(frame: Any) -> int:
+    """``frame`` as an int in ``[0, 2**32)``; raises ValueError otherwise (bools refused too)."""
+    if isinstance(frame, bool) or not isinstance(frame, (int, np.integer)):
+        raise ValueError(f"start_frame must be an int in [0, 2**32), got {frame!r}")
+    if not 0 <= int(frame) <= MAX_START_FRAME:
+        raise ValueError(f"start_frame must be an int in [0, 2**32), got {frame!r}")
+    return int(frame)
+
+
 BICODEC = CodecLayout("bicodec", (1,), (8192,), 320, 16000, n_global=32, global_vocab=4096)
 SNAC_24KHZ = CodecLayout("snac-24khz", (1, 2, 4), (4096,) * 3, 2048, 24000)
 SNAC_32KHZ = CodecLayout("snac-32khz", (1, 2, 4, 8), (4096,) * 4, 3072, 32000)
 SNAC_44KHZ = CodecLayout("snac-44khz", (1, 2, 4, 8), (4096,) * 4, 3072, 44100)
 
 LAYOUTS: dict[str, CodecLayout] = {c.name: c for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ)}
+
+
+DEFAULT_MAX_SECONDS = 30  # the longest request a server takes by default (serve --max-tokens)
+
+
+def default_max_frames(codec: str) -> int:
+    """Frames of ``DEFAULT_MAX_SECONDS`` of ``codec``'s audio: the server's default --max-tokens
+    (BiCodec: 1500, SNAC 24 kHz: 352)."""
+    layout = get_layout(codec)
+    return -(-DEFAULT_MAX_SECONDS * layout.sample_rate // layout.samples_per_frame)
 
 
 def get_layout(name: str) -> CodecLayout:

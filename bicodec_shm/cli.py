@@ -237,11 +237,10 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     ``--cuda-graphs``. A device this torch cannot use is a one-line ``ValueError``."""
     import torch
 
-    from .model import BiCodecDecoder
     from .model.buckets import BucketGrid
-    from .model.snac import SNACDecoder
     from .model.devices import resolve_device
     from .model.graphs import GraphedDecoder
+    from .model.registry import decoder_class
 
     device = resolve_device(args.device)
     dtype = getattr(args, "dtype", "float32")
@@ -254,7 +253,7 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     preset = resolve_preset(codec, args.preset)
     if graphs and codec != "bicodec":
         raise ValueError(f"--cuda-graphs replays BiCodec only; serve {codec} without it")
-    model = BiCodecDecoder if codec == "bicodec" else SNACDecoder
+    model = decoder_class(codec)
     if args.model_dir:
         decoder = model.from_pretrained(args.model_dir, device=device, dtype=dtype)
         loaded = getattr(decoder.config, "codec_name", "bicodec")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...codecs.layout import CodecLayout, MAX_NOISE_SEED
+from ...codecs.layout import MAX_NOISE_SEED, CodecLayout
 from ...slot_io import Batch
 from ...transport import FLAG_NO_NOISE
 

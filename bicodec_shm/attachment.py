@@ -398,7 +398,8 @@ class Attachment:
 
     def submit(self, slot: int, seq: int, semantic: np.ndarray | Sequence[np.ndarray],
                global_ids: np.ndarray | None, dtype: int, notify: int, *,
-               noise_seed: int = DEFAULT_NOISE_SEED, flags: int = 0) -> None:  # fmt: skip
+               noise_seed: int = DEFAULT_NOISE_SEED, flags: int = 0,
+               start_frame: int = 0) -> None:  # fmt: skip
         """Write request ``seq`` into ``slot`` and ring the server.
 
         ``semantic``: level 0's codes (T,) int32, or every level's codes (validated against
@@ -417,6 +418,7 @@ class Attachment:
             f["n_global"][slot] = seg.codec.n_global
             f["noise_seed"][slot] = noise_seed
             f["flags"][slot] = flags
+            f["start_frame"][slot] = start_frame
             f["dtype"][slot] = dtype
             f["notify"][slot] = notify
             seg.request_id[slot] = (self.handle_id, self.generation[slot], seq)  # its identity

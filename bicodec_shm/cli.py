@@ -25,7 +25,7 @@ from .batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
-from .codecs.layout import get_layout
+from .codecs.layout import default_max_frames, get_layout
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import GroupInfo, group_stats, read_group, validate_group_name
 from .served import describe_served
@@ -239,11 +239,10 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     ``--cuda-graphs``. A device this torch cannot use is a one-line ``ValueError``."""
     import torch
 
-    from .model import BiCodecDecoder
     from .model.buckets import BucketGrid
-    from .model.snac import SNACDecoder
     from .model.devices import resolve_device
     from .model.graphs import GraphedDecoder
+    from .model.registry import decoder_class
 
     device = resolve_device(args.device)
     dtype = getattr(args, "dtype", "float32")
@@ -256,7 +255,7 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     preset = resolve_preset(codec, args.preset)
     if graphs and codec != "bicodec":
         raise ValueError(f"--cuda-graphs replays BiCodec only; serve {codec} without it")
-    model = BiCodecDecoder if codec == "bicodec" else SNACDecoder
+    model = decoder_class(codec)
     if args.model_dir:
         decoder = model.from_pretrained(args.model_dir, device=device, dtype=dtype)
         loaded = getattr(decoder.config, "codec_name", "bicodec")
@@ -291,12 +290,6 @@ def resolve_preset(codec: str, preset: str | None) -> str:
     if preset in ("tiny", f"tiny-{rate}"):
         return f"tiny-{rate}"
     raise ValueError(f"--preset {preset} is not a {codec} model; use tiny, tiny-{rate} or {codec}")
-
-
-def default_max_frames(codec: str) -> int:
-    """Frames of 30 s of ``codec``'s audio: the default --max-tokens (BiCodec: 1500)."""
-    layout = get_layout(codec)
-    return -(-30 * layout.sample_rate // layout.samples_per_frame)
 
 
 def _check_mode(mode: int, *, allow_world: bool) -> None:

@@ -38,7 +38,14 @@ from typing import Any
 import numpy as np
 
 from .attachment import SLICE, Attachment, Gone
-from .codecs.layout import DEFAULT_NOISE_SEED, LAYOUTS, CodecLayout, check_noise_seed, check_request
+from .codecs.layout import (
+    DEFAULT_NOISE_SEED,
+    LAYOUTS,
+    CodecLayout,
+    check_noise_seed,
+    check_request,
+    check_start_frame,
+)
 from .codecs.orpheus import AUDIO_TOKEN_BASE, orpheus_to_codes
 from .errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
 from .group import GroupRouter, read_group
@@ -69,6 +76,7 @@ class _Request:
     dtype: int  # OutputDtype
     noise_seed: int = DEFAULT_NOISE_SEED
     flags: int = 0  # FLAG_NO_NOISE
+    start_frame: int = 0  # SNAC: where a streaming window starts in its utterance
     checked: CodecLayout | None = None  # the layout it was last checked against
 
 
@@ -160,7 +168,7 @@ class DecoderClient:
 
     def decode_codes(self, levels: Any, *, global_ids: Any = None,
                      noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
-                     dtype: str = "int16", codec: str | None = None,
+                     dtype: str = "int16", codec: str | None = None, start_frame: int = 0,
                      timeout: float | None = None) -> np.ndarray:  # fmt: skip
         """Decode one utterance given as code levels, for the codec the server serves (SNAC).
 
@@ -175,6 +183,9 @@ class DecoderClient:
             dtype: "int16" or "float32".
             codec: the codec the codes are for (``"snac-24khz"``, ...); if given, a server of
                 another codec is refused even when the shapes happen to fit.
+            start_frame: the frame of the utterance at which these codes start (a streaming
+                window): SNAC then draws the noise the whole utterance's decode draws at those
+                frames. 0 (default) for a whole utterance.
             timeout: seconds for this call (default: the handle's).
         Returns:
             (samples_per_frame·n,) int16 or float32 samples at the codec's sample rate.
@@ -183,14 +194,18 @@ class DecoderClient:
                 break the rates, an id out of range for its level, global ids a codec does not
                 take, a bad seed, or a server of another codec (naming both).
         """
-        return self._decode(self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec), timeout)
+        request = self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec,
+                                      start_frame=start_frame)  # fmt: skip
+        return self._decode(request, timeout)
 
     async def decode_codes_async(self, levels: Any, *, global_ids: Any = None,
                                  noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
                                  dtype: str = "int16", codec: str | None = None,
+                                 start_frame: int = 0,
                                  timeout: float | None = None) -> np.ndarray:  # fmt: skip
         """``decode_codes`` for asyncio."""
-        request = self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec)
+        request = self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec,
+                                      start_frame=start_frame)  # fmt: skip
         return await self._decode_async(request, timeout)
 
     def decode_orpheus(self, token_ids: Any, *, base: int = AUDIO_TOKEN_BASE,
@@ -354,7 +369,8 @@ class DecoderClient:
                         checked=self._codec)  # fmt: skip
 
     def _prepare_codes(self, levels: Any, global_ids: Any, noise_seed: int, noise: bool,
-                       dtype: str, codec: str | None, *, kind: str = "codes") -> _Request:  # fmt: skip
+                       dtype: str, codec: str | None, *, kind: str = "codes",
+                       start_frame: int = 0) -> _Request:  # fmt: skip
         """Validate a code-level request against the layout of the server last attached."""
         if self._closed:
             raise self._closed_error()
@@ -363,7 +379,8 @@ class DecoderClient:
         if not isinstance(noise, bool):
             raise ValueError(f"noise must be True or False, got {noise!r}")
         request = _Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
-                           check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE)  # fmt: skip
+                           check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE,
+                           check_start_frame(start_frame))  # fmt: skip
         _check_request(request, self._codec, self._limits[2], self.name)
         return request
 
@@ -532,7 +549,8 @@ def _fit_bicodec(att: Attachment, semantic: np.ndarray,
 
 def _submit(att: Attachment, slot: int, seq: int, request: _Request, bell: int) -> None:
     att.submit(slot, seq, request.levels, request.global_ids, request.dtype, bell,
-               noise_seed=request.noise_seed, flags=request.flags)  # fmt: skip
+               noise_seed=request.noise_seed, flags=request.flags,
+               start_frame=request.start_frame)  # fmt: skip
 
 
 def _check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -51,18 +51,17 @@ class Requests:
     notify: np.ndarray  # (B,) uint32, a bell or NO_BELL
     submitted_ns: np.ndarray  # (B,) int64: the client's submit time, clamped to seen_ns
     seen_ns: np.ndarray  # (B,) int64: when the server took the request's req.I (batch order)
-    # (B,) uint64 noise seeds and (B,) uint32 flags (FLAG_NO_NOISE): SNAC's; None means
-    # codecs.DEFAULT_NOISE_SEED and noise on for every row.
+    # (B,) uint64 noise seeds, (B,) uint32 flags (FLAG_NO_NOISE) and (B,) uint32 start frames:
+    # SNAC's; None means codecs.DEFAULT_NOISE_SEED, noise on and frame 0 for every row.
     noise_seeds: np.ndarray | None = None
     flags: np.ndarray | None = None
+    start_frames: np.ndarray | None = None
 
     def take(self, index: np.ndarray | list[int]) -> Requests:
         """The rows ``index`` as a new ``Requests``."""
         if len(self.slots) == 1 and len(index) == 1:
             return self
-        return Requests(*(None if a is None else a[index] for a in (
-            self.slots, self.lengths, self.ids, self.dtypes, self.notify, self.submitted_ns,
-            self.seen_ns, self.noise_seeds, self.flags)))  # fmt: skip
+        return Requests(*(None if a is None else a[index] for a in self._columns()))
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -73,11 +72,17 @@ class Requests:
             return self
         if not len(self):
             return more
-        return Requests(*(None if a is None else np.concatenate((a, b)) for a, b in zip(
-            (self.slots, self.lengths, self.ids, self.dtypes, self.notify, self.submitted_ns,
-             self.seen_ns, self.noise_seeds, self.flags),
-            (more.slots, more.lengths, more.ids, more.dtypes, more.notify, more.submitted_ns,
-             more.seen_ns, more.noise_seeds, more.flags))))  # fmt: skip
+        if any((a is None) != (b is None) for a, b in zip(self._columns(), more._columns())):
+            raise ValueError("Requests.plus: one side has a column the other lacks")
+        return Requests(*(None if a is None else np.concatenate((a, b))
+                          for a, b in zip(self._columns(), more._columns())))  # fmt: skip
+
+    def _columns(self) -> list[np.ndarray | None]:
+        """Every field, in declaration order (a new field is then never left out)."""
+        return [getattr(self, name) for name in _REQUEST_FIELDS]
+
+
+_REQUEST_FIELDS = tuple(f.name for f in fields(Requests))
 
 
 @dataclass
@@ -167,6 +172,7 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
         seen_ns=seen,
         noise_seeds=rows["noise_seed"][ok],
         flags=rows["flags"][ok],
+        start_frames=rows["start_frame"][ok],
     )
     return requests, failures
 
@@ -202,6 +208,7 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
         seen_ns=np.array([seen], np.int64),
         noise_seeds=np.array([v[_FIELD["noise_seed"]]], np.uint64),
         flags=np.array([v[_FIELD["flags"]]], np.uint32),
+        start_frames=np.array([v[_FIELD["start_frame"]]], np.uint32),
     )
     return requests, []
 
@@ -210,7 +217,7 @@ def _empty_requests() -> Requests:
     empty = [np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint64, np.uint32, np.uint32,
                                         np.int64, np.int64)]  # fmt: skip
     empty[2] = np.zeros((0, 3), np.uint64)
-    return Requests(*empty, np.zeros(0, np.uint64), np.zeros(0, np.uint32))
+    return Requests(*empty, np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint32))
 
 
 def _problem(row: np.void | dict, max_tokens: int, n_bells: int, n_global: int) -> tuple[int, str]:

@@ -28,7 +28,8 @@ Bookkeeping that makes the output exact in length: after every call the stream h
 Through a ``DecoderClient`` every window is an ordinary request to the shared server, so the
 windows of many streams (in many worker processes) are batched together there; a push that makes
 several regions final sends their windows concurrently from ``push_async``. The client side needs
-numpy only.
+numpy only. On a SNAC server a window goes out with ``decode_codes(..., noise_seed,
+start_frame)``, so the server draws the noise the full decode draws at the window's frames.
 
 A failed decode (server gone, timeout) raises and leaves the stream as it was, with the new tokens
 buffered: calling ``push([])`` or ``finish()`` again retries.
@@ -44,6 +45,13 @@ from typing import Any
 
 import numpy as np
 
+from .codecs.layout import (
+    DEFAULT_NOISE_SEED,
+    CodecLayout,
+    check_noise_seed,
+    check_request,
+    default_max_frames,
+)
 from .errors import StreamFinishedError
 from .validation import as_token_array, output_dtype_code
 
@@ -53,7 +61,8 @@ SAMPLE_RATE = 16000
 SEMANTIC_VOCAB = 8192
 GLOBAL_VOCAB = 4096
 N_GLOBAL = 32
-# The server's default --max-tokens: the longest window one request may carry.
+# The server's default --max-tokens: the longest window one request may carry (BiCodec; a SNAC
+# stream defaults to its codec's, codecs.default_max_frames).
 DEFAULT_MAX_WINDOW = 1500
 # The receptive field, in tokens to each side, of the released architecture (prenet 57 + wave
 # generator 10; tiny: 37): this much context makes a window decode equal the full decode up to
@@ -184,17 +193,21 @@ class DecodeStream:
     """Decode one utterance incrementally: ``push`` tokens as they arrive, then ``finish``.
 
     Args:
-        decoder: a ``DecoderClient`` (windows go through the shared server and batch with other
-            streams), a ``BiCodecDecoder`` or a ``SNACDecoder`` (decoded in this process).
+        decoder: a ``DecoderClient`` of a BiCodec or SNAC server (windows go through the shared
+            server and batch with other streams), a ``BiCodecDecoder`` or a ``SNACDecoder``
+            (decoded in this process).
         global_ids: the utterance's 32 global (speaker) ids in ``[0, 4096)``; None for SNAC.
         preset: ``"default"``, ``"exact"`` or ``"peers"`` (see :data:`PRESETS`); the four
             keyword settings below override single fields of it.
         chunk_tokens, left_context, lookahead, crossfade: see :class:`StreamSettings`.
         dtype: ``"int16"`` (the seed's conversion, little-endian) or ``"float32"`` (the model's
             output, little-endian) for the bytes returned.
-        max_window: the most tokens one decode may carry (the server's ``--max-tokens``); a large
-            push is split into several windows.
+        max_window: the most tokens one decode may carry (the server's ``--max-tokens``; None:
+            its default for the codec, 1500 tokens for BiCodec, 30 s for SNAC); a large push is
+            split into several windows.
         timeout: seconds per decode for a client (None: the client's default).
+        noise_seed: SNAC's noise seed for the whole utterance (as ``decode_codes``'s); BiCodec
+            has no noise and takes only the default.
 
     For SNAC a "token" is a frame: ``push`` takes whole frames of every level (``[level0,
     level1, ...]``, rates 1:2:4 or 1:2:4:8; ``codecs.orpheus_to_codes`` makes them from Orpheus
@@ -222,8 +235,9 @@ class DecodeStream:
         lookahead: int | None = None,
         crossfade: int | None = None,
         dtype: str = "int16",
-        max_window: int = DEFAULT_MAX_WINDOW,
+        max_window: int | None = None,
         timeout: float | None = None,
+        noise_seed: int = DEFAULT_NOISE_SEED,
     ) -> None:
         overrides = {
             "chunk_tokens": chunk_tokens,
@@ -232,9 +246,13 @@ class DecodeStream:
             "crossfade": crossfade,
         }
         snac_config = _snac_config(decoder)
-        codec = snac_config.codec_name if snac_config is not None else "bicodec"
+        # A codec of code levels (SNAC), decoded here or by the server the client attached to.
+        layout = snac_config.layout if snac_config is not None else _served_codes_layout(decoder)
+        codec = layout.name if layout is not None else "bicodec"
         settings = StreamSettings.preset(preset, codec)
         settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+        if max_window is None:
+            max_window = default_max_frames(codec)
         if settings.window_tokens > max_window:
             raise ValueError(
                 f"left_context + chunk_tokens + lookahead = {settings.window_tokens} tokens is "
@@ -246,15 +264,18 @@ class DecodeStream:
         self._timeout = timeout
         self._decoder = decoder
         self._hop = HOP  # samples per token (BiCodec) or per frame (SNAC)
-        self._snac: Any = None  # the SNAC config of an in-process SNACDecoder
-        if snac_config is not None:
-            self._in_process, self._snac = True, snac_config
-            self._hop = snac_config.samples_per_frame
+        self._layout: CodecLayout | None = layout  # None: BiCodec (semantic ids + global ids)
+        self._noise_seed = check_noise_seed(noise_seed)
+        if layout is None and self._noise_seed != DEFAULT_NOISE_SEED:
+            raise ValueError("BiCodec's decoder has no noise: noise_seed is for SNAC")
+        if layout is not None:
+            self._in_process = snac_config is not None
+            self._hop = layout.samples_per_frame
             if global_ids is not None:
                 raise ValueError(f"{codec} takes no global ids: pass global_ids=None")
             self._globals = np.zeros(0, np.int32)
             # One row per frame: its codes of every level, level 0 first.
-            self._tokens = np.zeros((0, sum(snac_config.level_rates)), np.int32)
+            self._tokens = np.zeros((0, layout.codes_per_frame), np.int32)
         elif hasattr(decoder, "decode_async") and hasattr(decoder, "decode"):
             self._in_process = False
             self._vocab, gvocab, n_global = SEMANTIC_VOCAB, GLOBAL_VOCAB, N_GLOBAL
@@ -269,7 +290,7 @@ class DecodeStream:
                 f"decoder must be a DecoderClient or a BiCodecDecoder (or a SNACDecoder), "
                 f"got {type(decoder).__name__}"
             )
-        if snac_config is None:
+        if layout is None:
             self._globals = as_token_array(
                 global_ids, what="global_ids", vocab=gvocab, max_len=n_global, exact_len=n_global
             )
@@ -361,7 +382,7 @@ class DecodeStream:
         return _Turn(self._busy)
 
     def _append(self, semantic_ids: Any) -> None:
-        if self._snac is not None:
+        if self._layout is not None:
             return self._append_frames(semantic_ids)
         if _is_empty(semantic_ids):
             return  # a push of nothing is allowed (e.g. to retry a failed decode)
@@ -373,15 +394,13 @@ class DecodeStream:
 
     def _append_frames(self, levels: Any) -> None:
         """SNAC: ``levels`` holds whole frames of every level; each becomes one row of tokens."""
-        from .codecs.layout import check_request
-
         if _is_empty(levels) or (
             isinstance(levels, (list, tuple)) and levels and all(_is_empty(v) for v in levels)
         ):
             return
-        arrays, _, frames = check_request(self._snac.layout, levels)
+        arrays, _, frames = check_request(self._layout, levels)
         rows = np.concatenate(
-            [a.reshape(frames, rate) for a, rate in zip(arrays, self._snac.level_rates, strict=True)],
+            [a.reshape(frames, rate) for a, rate in zip(arrays, self._layout.level_rates, strict=True)],
             axis=1,
         )  # (frames, codes per frame)
         self._tokens = np.concatenate([self._tokens, rows])
@@ -451,10 +470,19 @@ class DecodeStream:
     def _window_ids(self, w: _Window) -> np.ndarray:
         return self._tokens[w.w0 - self._offset : w.w1 - self._offset]
 
+    def _window_levels(self, w: _Window) -> list[np.ndarray]:
+        """SNAC: the window's codes per level, ``[(n·r_0,), (n·r_1,), ...]`` int32."""
+        return _split_levels(self._window_ids(w), self._layout.level_rates)
+
     def _decode(self, w: _Window) -> np.ndarray:
+        if self._layout is not None:
+            if self._in_process:
+                return _snac_decode(self._decoder, self._window_levels(w), w.w0, self._noise_seed)
+            audio = self._decoder.decode_codes(self._window_levels(w), dtype="float32",
+                                               noise_seed=self._noise_seed, start_frame=w.w0,
+                                               timeout=self._timeout)  # fmt: skip
+            return np.asarray(audio, dtype=np.float32)
         ids = self._window_ids(w)
-        if self._snac is not None:
-            return _snac_decode(self._decoder, self._snac.level_rates, ids, w.w0)
         if self._in_process:
             return _model_decode(self._decoder, ids, self._globals)
         return np.asarray(
@@ -465,10 +493,18 @@ class DecodeStream:
     async def _decode_all_async(self, windows: list[_Window]) -> list[np.ndarray]:
         if not windows:
             return []
-        if self._snac is not None:
-            model, rates = self._decoder, self._snac.level_rates
-            work = [(self._window_ids(w), w.w0) for w in windows]
-            return await asyncio.to_thread(lambda: [_snac_decode(model, rates, i, s) for i, s in work])
+        if self._layout is not None and self._in_process:
+            model, seed = self._decoder, self._noise_seed
+            work = [(self._window_levels(w), w.w0) for w in windows]
+            return await asyncio.to_thread(lambda: [_snac_decode(model, lv, s, seed) for lv, s in work])
+        if self._layout is not None:
+            requests = [
+                self._decoder.decode_codes_async(self._window_levels(w), dtype="float32",
+                                                 noise_seed=self._noise_seed, start_frame=w.w0,
+                                                 timeout=self._timeout)
+                for w in windows
+            ]  # fmt: skip
+            return [np.asarray(a, dtype=np.float32) for a in await asyncio.gather(*requests)]
         if self._in_process:
             ids = [self._window_ids(w) for w in windows]
             model, glb = self._decoder, self._globals
@@ -511,14 +547,27 @@ def _snac_config(decoder: Any) -> Any:
     return config if hasattr(decoder, "detokenize") and hasattr(config, "level_rates") else None
 
 
-def _snac_decode(model: Any, rates: tuple[int, ...], rows: np.ndarray, start: int) -> np.ndarray:
-    """In-process decode of one SNAC window: rows (n, codes per frame) -> (spf·n,) float32.
+def _served_codes_layout(decoder: Any) -> CodecLayout | None:
+    """The layout of a client's server when it serves a codec of code levels (SNAC), else None."""
+    layout = getattr(decoder, "codec", None)
+    if isinstance(layout, CodecLayout) and hasattr(decoder, "decode_codes") and layout.name != "bicodec":
+        return layout
+    return None
+
+
+def _split_levels(rows: np.ndarray, rates: tuple[int, ...]) -> list[np.ndarray]:
+    """Frames as rows (n, codes per frame) -> per level ``[(n·r_0,), (n·r_1,), ...]``."""
+    edges = np.cumsum((0, *rates))
+    return [np.ascontiguousarray(rows[:, a:b]).reshape(-1) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _snac_decode(model: Any, levels: list[np.ndarray], start: int, seed: int) -> np.ndarray:
+    """In-process decode of one SNAC window: per-level codes -> (spf·n,) float32.
 
     ``start_frames`` makes the window draw the noise the full decode draws at these frames.
     """
-    edges = np.cumsum((0, *rates))
-    levels = [rows[:, a:b].astype(np.int64).reshape(1, -1) for a, b in zip(edges[:-1], edges[1:])]
-    audio = model.detokenize(levels, start_frames=[start])
+    audio = model.detokenize([lv.astype(np.int64)[None] for lv in levels], noise_seeds=[seed],
+                             start_frames=[start])  # fmt: skip
     return audio[0].cpu().numpy()  # (1, N) -> (N,)
 
 

@@ -31,8 +31,8 @@ A slot's codes row holds level ``i`` at columns ``[max_tokens·P_i, max_tokens·
 ``P_i`` the sum of the rates of the levels before ``i``; a request of ``n`` frames fills the
 first ``n·rate_i`` of them. BiCodec (one level, rate 1, 32 globals, spf 320) has exactly the
 areas of layout version 3; SNAC (no global ids) has an empty global area. A slot's
-``noise_seed`` (and ``flags`` bit ``FLAG_NO_NOISE``) make a SNAC decode a pure function of its
-request; BiCodec ignores both.
+``noise_seed`` (and ``flags`` bit ``FLAG_NO_NOISE``, and ``start_frame`` for a streaming window)
+make a SNAC decode a pure function of its request; BiCodec ignores them.
 
 Named objects (``NAME``: letters, digits, ``_`` and ``-``, optionally a ``.K`` group suffix)::
 
@@ -153,7 +153,8 @@ GROUP_MAGIC = 0x5052475F43444342  # b"BCDC_GRP" little-endian
 # server that dies in between leaves something ``_check_takeover`` still knows as ours. (An
 # object of zeros is not: it may be anybody's.)
 CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
-LAYOUT_VERSION = 4  # 3: answers carry their request's identity; 4: the codec seam
+# 3: answers carry their request's identity; 4: the codec seam; 5: a SNAC request's start frame
+LAYOUT_VERSION = 5
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -322,6 +323,10 @@ SLOT_DT = np.dtype(
         ("noise_seed", "<u8"),  # SNAC: the request's noise (codecs.DEFAULT_NOISE_SEED if unnamed)
         ("flags", "<u4"),  # FLAG_NO_NOISE
         ("error", f"S{ERROR_TEXT_BYTES}"),
+        # SNAC: the frame at which a streaming window starts in its utterance, so that it draws
+        # the full decode's noise there (0 for a whole utterance). Last, in what was the
+        # record's tail padding: every other field keeps its offset and the record its size.
+        ("start_frame", "<u4"),
     ],
     align=True,
 )

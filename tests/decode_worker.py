@@ -8,23 +8,16 @@ Writes every request's tokens and PCM to OUT.npz (as ``sem_i``, ``glb_i``, ``pcm
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 
 import numpy as np
+from support import client_worker_arguments, run_limited
 
 from bicodec_shm.client import DecoderClient
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("name")
-    p.add_argument("seed", type=int)
-    p.add_argument("n", type=int)
-    p.add_argument("out")
-    p.add_argument("--dtype", default="int16")
-    p.add_argument("--concurrent", type=int, default=1, help="asyncio requests in flight")
+    p = client_worker_arguments(__doc__, dtype="int16", concurrent=1)
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--max-len", type=int, default=60, help="longest request in tokens")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
@@ -35,16 +28,8 @@ def main() -> int:
             for _ in range(args.n)]  # fmt: skip
     with DecoderClient(args.name, slots=args.slots, connect_timeout=60, timeout=args.timeout) as client:
         if args.concurrent > 1:
-            async def run():
-                sem = asyncio.Semaphore(args.concurrent)
-
-                async def one(s, g):
-                    async with sem:
-                        return await client.decode_async(s, g, dtype=args.dtype)
-
-                return await asyncio.gather(*(one(s, g) for s, g in reqs))
-
-            results = asyncio.run(run())
+            calls = [lambda s=s, g=g: client.decode_async(s, g, dtype=args.dtype) for s, g in reqs]
+            results = run_limited(calls, args.concurrent)
         else:
             results = [client.decode(s, g, dtype=args.dtype) for s, g in reqs]
     arrays = {}

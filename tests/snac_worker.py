@@ -9,23 +9,16 @@ no noise. Imports no torch, as a real TTS worker would not.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 
 import numpy as np
+from support import client_worker_arguments, run_limited
 
 from bicodec_shm.client import DecoderClient
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("name")
-    p.add_argument("seed", type=int)
-    p.add_argument("n", type=int)
-    p.add_argument("out")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--concurrent", type=int, default=2, help="asyncio requests in flight")
+    p = client_worker_arguments(__doc__, dtype="float32", concurrent=2)
     p.add_argument("--max-frames", type=int, default=9)
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
@@ -36,18 +29,10 @@ def main() -> int:
             frames = int(rng.integers(1, args.max_frames + 1))
             reqs.append([rng.integers(0, v, frames * r) for r, v in zip(rates, vocab)])
         seeds = [args.seed * 1000 + j for j in range(args.n)]
-
-        async def run():
-            gate = asyncio.Semaphore(args.concurrent)
-
-            async def one(j):
-                async with gate:
-                    return await client.decode_codes_async(reqs[j], noise_seed=seeds[j], noise=j % 3 != 2,
-                                                           dtype=args.dtype)  # fmt: skip
-
-            return await asyncio.gather(*(one(j) for j in range(args.n)))
-
-        pcms = asyncio.run(run())
+        calls = [lambda j=j: client.decode_codes_async(reqs[j], noise_seed=seeds[j], noise=j % 3 != 2,
+                                                       dtype=args.dtype)
+                 for j in range(args.n)]  # fmt: skip
+        pcms = run_limited(calls, args.concurrent)
     out = {f"pcm_{j}": pcm for j, pcm in enumerate(pcms)}
     for j, levels in enumerate(reqs):
         out.update({f"lvl_{j}_{i}": level for i, level in enumerate(levels)})

@@ -93,6 +93,38 @@ def check_in_forked_child(check) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def client_worker_arguments(doc: str, *, dtype: str, concurrent: int):
+    """The arguments every client worker script takes (decode_worker.py, snac_worker.py): NAME
+    SEED N_REQUESTS OUT.npz [--dtype D] [--concurrent N]; the script adds its own."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("name")
+    p.add_argument("seed", type=int)
+    p.add_argument("n", type=int)
+    p.add_argument("out")
+    p.add_argument("--dtype", default=dtype)
+    p.add_argument("--concurrent", type=int, default=concurrent, help="asyncio requests in flight")
+    return p
+
+
+def run_limited(calls, limit: int) -> list:
+    """Run the coroutines that ``calls`` (zero-argument callables) make, at most ``limit`` at
+    once, in one event loop; returns their results in order."""
+    import asyncio
+
+    async def run():
+        gate = asyncio.Semaphore(limit)
+
+        async def one(call):
+            async with gate:
+                return await call()
+
+        return await asyncio.gather(*(one(call) for call in calls))
+
+    return asyncio.run(run())
+
+
 def worker_command(*args: str) -> list[str]:
     return [sys.executable, WORKER, *args]
 

@@ -22,6 +22,7 @@ from bicodec_shm import bench
 from bicodec_shm.bench import cli, config, orchestrate, sampling, standin, systems, workload
 from bicodec_shm.bench import report as reporting
 from bicodec_shm.bench import results as run_results
+from bicodec_shm.codecs import SNAC_24KHZ
 from bicodec_shm.transport import leftover_objects
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -270,10 +271,21 @@ def test_request_stream_is_the_length_stream_with_ids():
     lengths = list(itertools.islice(workload.length_stream(mix, 5, 3), 150))  # crosses blocks
     assert workload.draw_lengths(mix, 4, 150, seed=5)[3] == lengths
     requests = list(workload.request_stream(mix, 5, 3, count=150))
-    assert [len(s) for s, _ in requests] == lengths
-    assert all(s.dtype == np.int64 and 0 <= s.min() and s.max() < workload.SEMANTIC_VOCAB
-               for s, _ in requests)  # fmt: skip
-    assert len({spk.tobytes() for _, spk in requests}) == 1  # one speaker per client
+    assert [r.frames for r in requests] == lengths
+    assert all(len(r.levels) == 1 and r.levels[0].dtype == np.int64 and 0 <= r.levels[0].min()
+               and r.levels[0].max() < 8192 for r in requests)  # fmt: skip
+    assert len({r.global_ids.tobytes() for r in requests}) == 1  # one speaker per client
+
+
+def test_a_snac_request_stream_draws_every_level_at_its_rate_and_no_global_ids():
+    mix = workload.parse_mix(workload.default_mix(SNAC_24KHZ))
+    assert mix == workload.parse_mix("6-12:0.8,23-70:0.2")  # the BiCodec mix's seconds
+    requests = list(workload.request_stream(mix, 5, 3, count=40, layout=SNAC_24KHZ))
+    assert [r.frames for r in requests] == workload.draw_lengths(mix, 4, 40, seed=5)[3]
+    for r in requests:
+        assert [len(v) for v in r.levels] == [r.frames, 2 * r.frames, 4 * r.frames]
+        assert r.global_ids is None and all(0 <= v.min() and v.max() < 4096 for v in r.levels)
+    assert workload.audio_seconds(24, SNAC_24KHZ) == 24 * 2048 / 24000
 
 
 def test_requests_per_client_and_threads():
@@ -574,12 +586,12 @@ def test_partial_results_are_saved_after_every_run(tmp_path, monkeypatch):
 
 
 def test_every_benchmark_system_loads_its_model_with_the_servers_cuda_math(monkeypatch):
-    """The limit, per-process and queue systems build their models in _load_model, as the
+    """The limit, per-process and queue systems build their models in load_model, as the
     bicodec-shm server's process does: on CUDA each gets exact_cuda_math (no TF32), not
     cuDNN's TF32 default, which would make every ratio against them spuriously low."""
     import torch
 
-    from bicodec_shm.bench import workers
+    from bicodec_shm.bench import decoding
     from bicodec_shm.model import BiCodecDecoder
     from bicodec_shm.model.devices import uses_exact_cuda_math
 
@@ -592,13 +604,13 @@ def test_every_benchmark_system_loads_its_model_with_the_servers_cuda_math(monke
             return None
 
     monkeypatch.setattr(BiCodecDecoder, "from_config", classmethod(lambda cls, *a, **k: Stub()))
-    monkeypatch.setenv(workers.DEVICE_ENV, "cuda:0")
+    monkeypatch.setenv(decoding.DEVICE_ENV, "cuda:0")
     saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
     try:
         torch.backends.cudnn.allow_tf32 = True
         assert not uses_exact_cuda_math()
-        model = workers._load_model(config.ModelSpec("tiny"), threads=torch.get_num_threads())
+        model = decoding.load_model(config.ModelSpec("tiny"), threads=torch.get_num_threads())
         assert model.device == torch.device("cuda:0")
         assert uses_exact_cuda_math()
     finally:

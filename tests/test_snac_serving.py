@@ -50,7 +50,7 @@ def snac_server(thread_server, tiny24):
 
 
 def test_the_header_names_the_codec_and_sizes_the_areas_by_its_layout(shm_name):
-    assert LAYOUT_VERSION == 4
+    assert LAYOUT_VERSION == 5
     seg = Segment.create(shm_name, n_slots=3, max_tokens=10, codec=SNAC_32KHZ)
     try:
         seg.start_serving()
@@ -143,6 +143,7 @@ BAD = {
     "bicodec request to snac": (lambda c, lv: c.decode([1, 2, 3], [0] * 32), "BiCodec.*serves snac-24khz"),
     "another snac variant": (lambda c, lv: c.decode_codes(lv, codec="snac-32khz"), "snac-32khz.*serves snac-24khz"),
     "bad seed": (lambda c, lv: c.decode_codes(lv, noise_seed=2**63), "noise_seed"),
+    "bad start frame": (lambda c, lv: c.decode_codes(lv, start_frame=-1), "start_frame must be an int"),
 }
 
 
@@ -180,23 +181,25 @@ def test_orpheus_tokens_round_trip_through_the_client_helper():
 # -- real processes ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", ["snac-24khz", "snac-32khz", "snac-44khz"])
-def test_four_client_processes_get_their_lone_decodes(start_server, shm_name, tmp_path, codec):
-    """4 torch-free client processes, mixed lengths, seeds and noise settings, through
-    `serve --codec X --preset tiny`: float32 within 1e-5, int16 within 1 LSB of lone decodes."""
-    start_server("--codec", codec, "--slots", "8", "--max-wait-ms", "20", "--min-fill", "0",
-                 "--metrics-port", "0")  # fmt: skip
-    outs = [str(tmp_path / f"c{i}.npz") for i in range(4)]
-    dtypes = ["float32", "int16", "float32", "int16"]
-    procs = [subprocess.Popen([sys.executable, SNAC_WORKER, shm_name, str(10 + i), "6", outs[i],
-                               "--dtype", dtypes[i]]) for i in range(4)]  # fmt: skip
+def serve_to_client_processes(start_server, name, tmp_path, codec, *, preset="tiny", clients=4,
+                              requests=6, max_frames=9, threads=1) -> dict:
+    """`serve --codec X --preset P` to torch-free client processes (tests/snac_worker.py) of mixed
+    lengths, seeds and noise settings, alternately float32 and int16; checks every row against
+    its lone decode (float32 within 1e-5, int16 within 1 LSB) and returns the server's stats."""
+    start_server("--codec", codec, "--preset", preset, "--threads", str(threads), "--slots", "8",
+                 "--max-wait-ms", "20", "--min-fill", "0", "--metrics-port", "0")  # fmt: skip
+    outs = [str(tmp_path / f"c{i}.npz") for i in range(clients)]
+    dtypes = ["float32", "int16"] * clients
+    procs = [subprocess.Popen([sys.executable, SNAC_WORKER, name, str(10 + i), str(requests), outs[i],
+                               "--dtype", dtypes[i], "--max-frames", str(max_frames)])
+             for i in range(clients)]  # fmt: skip
     for p in procs:
-        assert p.wait(timeout=120) == 0
-    decoder = SNACDecoder.from_config(resolve_preset(codec, "tiny"), seed=0)
+        assert p.wait(timeout=240) == 0
+    decoder = SNACDecoder.from_config(resolve_preset(codec, preset), seed=0)
     worst32 = worst16 = 0.0
     for out, dtype in zip(outs, dtypes):
         data = np.load(out)
-        for j in range(6):
+        for j in range(requests):
             levels = [data[f"lvl_{j}_{i}"] for i in range(decoder.config.n_levels)]
             expected = lone(decoder, levels, seed=int(data[f"seed_{j}"]), noise=j % 3 != 2)
             pcm = data[f"pcm_{j}"]
@@ -206,10 +209,27 @@ def test_four_client_processes_get_their_lone_decodes(start_server, shm_name, tm
             else:
                 worst16 = max(worst16, int(np.abs(pcm.astype(np.int32) - seed_int16(expected)).max()))
     assert worst32 <= 1e-5 and worst16 <= 1, (worst32, worst16)
-    stats = json.loads(subprocess.run([sys.executable, "-m", "bicodec_shm", "stats", shm_name, "--json"],
+    stats = json.loads(subprocess.run([sys.executable, "-m", "bicodec_shm", "stats", name, "--json"],
                                       capture_output=True, text=True, check=True).stdout)  # fmt: skip
-    assert stats["codec"] == codec and stats["requests"] == 24 and stats["failed"] == 0
+    assert stats["codec"] == codec and stats["requests"] == clients * requests and stats["failed"] == 0
     assert max(int(b) for b in stats["batch_size_histogram"]) > 1, stats["batch_size_histogram"]
+    return stats
+
+
+@pytest.mark.parametrize("codec", ["snac-24khz", "snac-32khz", "snac-44khz"])
+def test_four_client_processes_get_their_lone_decodes(start_server, shm_name, tmp_path, codec):
+    """4 torch-free client processes through `serve --codec X --preset tiny`."""
+    serve_to_client_processes(start_server, shm_name, tmp_path, codec)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_full_size_snac_24khz_batches_mixed_lengths_exactly_through_the_server(start_server, shm_name,
+                                                                                tmp_path):  # fmt: skip
+    """The full-size snac-24khz architecture (random weights) served to 2 client processes, 3
+    requests of 1-6 frames in flight each: mixed lengths batch together, each row its lone decode."""
+    serve_to_client_processes(start_server, shm_name, tmp_path, "snac-24khz", preset="snac-24khz",
+                              clients=2, requests=3, max_frames=6, threads=2)
 
 
 def test_the_prometheus_server_info_names_the_codec():

@@ -115,3 +115,50 @@ def test_bicodec_presets_are_unchanged():
     assert StreamSettings.preset("peers", "snac-24khz") == StreamSettings(1, 1, 2, 0)
     with pytest.raises(ValueError, match="no streaming presets for codec 'mimi'"):
         StreamSettings.preset("default", "mimi")
+
+
+def test_streams_through_a_snac_server_process_equal_the_full_lone_decode(start_server, shm_name):
+    """Three streams of one utterance at once through `serve --codec snac-24khz --preset tiny` (a
+    real server process): every window is a request with the stream's noise seed and its start
+    frame, so `exact` equals the full lone decode (int16 within 1 LSB, float32 within 1e-5) and
+    `default` equals the same stream decoded in this process, at its SNR floor."""
+    from support import seed_int16
+
+    from bicodec_shm.client import DecoderClient
+
+    start_server("--codec", "snac-24khz", "--slots", "8", "--max-wait-ms", "20", "--min-fill", "0")
+    model = SNACDecoder.from_config("tiny-24khz", seed=0)  # the server's model
+    rates, seed, pushes = model.config.level_rates, 5, [2, 5, 1, 6, 3, 6]
+    levels = random_levels(model, sum(pushes), seed=7)
+    want = model.detokenize([torch.from_numpy(v)[None] for v in levels], noise_seeds=[seed])[0].numpy()
+    local = stream_frames(DecodeStream(model, None, dtype="float32", noise_seed=seed), levels, rates, pushes)
+
+    async def stream(client, preset, dtype) -> bytes:
+        s = DecodeStream(client, None, preset=preset, dtype=dtype, noise_seed=seed)
+        parts, f = [], 0
+        for n in pushes:
+            parts.append(await s.push_async([v[f * r : (f + n) * r] for v, r in zip(levels, rates)]))
+            f += n
+        return b"".join(parts) + await s.finish_async()
+
+    async def run(client):
+        return await asyncio.gather(stream(client, "exact", "int16"), stream(client, "exact", "float32"),
+                                    stream(client, "default", "float32"))  # fmt: skip
+
+    with DecoderClient(shm_name, slots=6, timeout=120) as client:
+        exact16, exact32, default = asyncio.run(run(client))
+        # Control: a window decoded from frame 0's noise is not the full decode's audio there.
+        window = [v[8 * r : 12 * r] for v, r in zip(levels, rates)]
+        at_8 = client.decode_codes(window, dtype="float32", noise_seed=seed, start_frame=8)
+        at_0 = client.decode_codes(window, dtype="float32", noise_seed=seed)
+    exact16 = np.frombuffer(exact16, "<i2").astype(np.int32)
+    assert len(exact16) == len(want) == sum(pushes) * 2048
+    assert np.abs(exact16 - seed_int16(want)).max() <= 1
+    assert np.abs(np.frombuffer(exact32, "<f4") - want).max() <= TOL
+    default = np.frombuffer(default, "<f4")
+    assert np.abs(default - local).max() <= TOL
+    snr = 10 * np.log10(np.sum(want.astype(np.float64) ** 2) / np.sum((default - want) ** 2.0))
+    assert snr >= 50, snr  # measured 59 dB here (tiny); 54 dB at full size
+    lone_at_8 = model.detokenize([torch.from_numpy(v)[None] for v in window], noise_seeds=[seed],
+                                 start_frames=[8])[0].numpy()  # fmt: skip
+    assert np.abs(at_8 - lone_at_8).max() <= TOL and np.abs(at_0 - lone_at_8).max() > 1e-3

@@ -2,9 +2,11 @@
 
 One module per concern (the command line's help, ``cli.py``, says what is measured):
 
-- ``workload``: each client's endless stream of request lengths and ids, drawn from a mix;
+- ``workload``: each client's endless stream of requests, lengths drawn from a mix (in frames)
+  and codes drawn with the codec's layout (``--codec``);
 - ``standin``: the device-shaped stand-in decoder and the ideal batcher it is measured against;
 - ``config``: system names, defaults, the issue's targets, ``Policy`` and ``Setup``;
+- ``decoding``: how the systems without a server decode: the codec's adapter, the server's call;
 - ``workers``: the child processes of every system (servers, clients, the no-IPC limit);
 - ``sampling``: RSS and CPU sampling of those processes, and the machine record;
 - ``systems``: the parent's side of each system, run for one window;

@@ -44,6 +44,12 @@ and then summarised.
 ``--sweep`` instead runs bicodec-shm alone at one N over a grid of ``max_wait_ms`` and
 ``max_batch_tokens``, to choose the batching defaults from data.
 
+``--codec snac-24khz`` (or 32/44 kHz) runs the same systems on SNAC, the codec of Orpheus TTS:
+requests are per-level code arrays drawn with the codec's layout (1 : 2 : 4 codes per frame at
+24 kHz), the mix counts frames (default: the seconds of the BiCodec mix, 6-12 and 23-70 frames
+at 24 kHz), and the model is the full-size SNAC architecture with random weights (``--quick``:
+the tiny one). Every system decodes through the codec's adapter, the server's own call.
+
 Usage::
 
     bicodec-shm bench                           # full size, N = 1 2 4 8 16, 60 s x 3 (~1.5 h)
@@ -51,6 +57,7 @@ Usage::
     bicodec-shm bench --model stand-in --n 16   # the device-shaped stand-in
     bicodec-shm bench --n 8 --lanes 1,2         # the server with 1 and with 2 decode lanes
     bicodec-shm bench --sweep --n 8 --window 20 # the batching-policy grid
+    bicodec-shm bench --codec snac-24khz --n 4,8 --window 30   # SNAC (Orpheus), full size
 
 Results go to a table on stdout, JSON (default ``benchmarks/out/bench_throughput.json``) and a
 PNG of throughput and p99 against N (needs matplotlib: ``pip install "bicodec-shm[plot]"``).
@@ -79,6 +86,8 @@ from ..batching import (
     DEFAULT_MAX_WAIT_MS,
     default_max_batch_tokens,
 )
+from ..cli import SNAC_PRESETS, resolve_preset
+from ..codecs.layout import LAYOUTS, get_layout
 from ..transport import leftover_objects, unlink_all
 from .config import (
     DEFAULT_NS,
@@ -101,6 +110,7 @@ from .config import (
     Setup,
     ShmVariant,
 )
+from .decoding import DEVICE_ENV
 from .orchestrate import bench_all, bench_sweep, runs_per_repeat
 from .plot import PLOT_EXTRA, plot
 from .report import (
@@ -116,10 +126,7 @@ from .report import (
 from .sampling import _cores, environment
 from .standin import DEFAULT_A_MS, DEFAULT_B_MS, IDEAL_DEFINITION, STAND_IN_PRESETS
 from .systems import per_process_threads
-from .workers import DEVICE_ENV
-from .workload import DEFAULT_MIX, parse_mix, requests_per_client
-
-SNAC_MODELS = tuple(f"{size}-{rate}" for rate in ("24khz", "32khz", "44khz") for size in ("snac", "tiny"))
+from .workload import DEFAULT_MIX, default_mix, parse_mix, requests_per_client
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -173,15 +180,13 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                         f"{QUICK_WINDOW_S:g} s windows, 1 repeat (under a minute)")  # fmt: skip
     p.add_argument("--device", default="cpu",
                    help="torch device of every model process, e.g. cuda:0 (default cpu)")  # fmt: skip
-    p.add_argument("--codec", default="bicodec", choices=("bicodec", "snac-24khz", "snac-32khz", "snac-44khz"),
-                   help="the codec benchmarked (default bicodec); a SNAC codec runs the shared server, "
-                        "a decoder per process and the no-IPC limit on --requests per client "
-                        "(default 4) of --frames frames (codec_bench.py)")  # fmt: skip
-    p.add_argument("--frames", default="12-36", metavar="LO-HI",
-                   help="SNAC request lengths in frames (default 12-36: 1-3 s at 24 kHz)")
-    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + SNAC_MODELS,
-                   help="architecture with random weights, or the device-shaped stand-in "
-                        "(default spark-tts-0.5b; --quick: tiny)")  # fmt: skip
+    p.add_argument("--codec", default="bicodec", choices=sorted(LAYOUTS),
+                   help="the codec benchmarked (default bicodec): its layout draws the requests, "
+                        "its model decodes them")  # fmt: skip
+    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + SNAC_PRESETS,
+                   help="architecture with random weights, or the device-shaped stand-in (BiCodec "
+                        "only); default the codec's full size (spark-tts-0.5b, snac-24khz, ...), "
+                        "--quick its tiny one")  # fmt: skip
     p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="PRESET|A_MS,B_MS",
                    help="the stand-in: a preset, " + "; ".join(
                        f"{k}: {v.a_ms:.4g} + {v.b_ms:.4g} x rows x longest ms, {v.about}"
@@ -199,8 +204,10 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                    help="instead of a window: exactly M requests per client")
     p.add_argument("--total-requests", type=int, default=None, metavar="TOTAL",
                    help="instead of a window: max(2, TOTAL // N) requests per client")
-    p.add_argument("--mix", default=DEFAULT_MIX,
-                   help="request lengths in tokens, LO-HI:WEIGHT,... (default %(default)s)")
+    p.add_argument("--mix", default=None,
+                   help=f"request lengths in frames of the codec (BiCodec: tokens), LO-HI:WEIGHT,... "
+                        f"(default {DEFAULT_MIX}; SNAC 24 kHz {default_mix(get_layout('snac-24khz'))}: "
+                        "the same seconds)")  # fmt: skip
     p.add_argument("--systems", default=",".join(SYSTEM_KEYS),
                    help=f"comma-separated subset of {','.join(SYSTEM_KEYS)} (limit needs shm)")
     p.add_argument("--seed", type=int, default=0)
@@ -311,7 +318,11 @@ class Plan:
         out_dir = getattr(args, "out_dir", None) or os.path.join("benchmarks", "out")
         if args.stand_in is not None and args.preset not in (None, STAND_IN):
             raise ValueError(f"--stand-in needs --model {STAND_IN}, got --model {args.preset}")
-        preset = args.preset or (STAND_IN if args.stand_in else "tiny" if args.quick else "spark-tts-0.5b")
+        stand_in = args.stand_in is not None or args.preset == STAND_IN
+        if stand_in and args.codec != "bicodec":
+            raise ValueError(f"--model {STAND_IN} is BiCodec-shaped; --codec {args.codec} needs a real model")
+        size = args.preset or ("tiny" if args.quick else None)  # None: the codec's full size
+        preset = STAND_IN if stand_in else resolve_preset(args.codec, size)
         ns = args.n or ((SWEEP_N,) if args.sweep else (QUICK_NS if args.quick else DEFAULT_NS))
         if args.sweep and args.quick and args.n is None:
             ns = (2,)
@@ -352,7 +363,8 @@ class Plan:
         if budget is None:
             budget = default_max_batch_tokens(args.device.split(":")[0])
         self.setup = Setup(
-            preset=preset, seed=args.seed, mix=parse_mix(args.mix), cores=args.cores or _cores(),
+            preset=preset, seed=args.seed, codec=args.codec,
+            mix=parse_mix(args.mix or default_mix(get_layout(args.codec))), cores=args.cores or _cores(),
             policy=Policy(args.max_batch, args.max_wait_ms, budget),
             sample_interval=args.sample_ms / 1000, timeout=args.timeout, window=window,
             stand_in_ms=(args.stand_in or (DEFAULT_A_MS, DEFAULT_B_MS))[:2],
@@ -371,7 +383,8 @@ class Plan:
 
     def describe(self, *, sweep: bool, grid: int = 1) -> str:
         setup, ns = self.setup, self.ns
-        mix = ", ".join(f"{b.lo}-{b.hi} tokens x{b.weight:g}" for b in setup.mix)
+        unit = "tokens" if setup.codec == "bicodec" else f"frames ({setup.layout.frame_rate:.3g}/s)"
+        mix = ", ".join(f"{b.lo}-{b.hi} {unit} x{b.weight:g}" for b in setup.mix)
         if self.requests is None:
             per_pass = grid if sweep else len(ns) * runs_per_repeat(setup, self.systems)
             runs = per_pass * self.repeats
@@ -386,7 +399,7 @@ class Plan:
             model = (f"model {STAND_IN}: {a:.4g} + {b:.4g} x rows x longest ms per batch, no CPU"
                      + (", an asynchronous device (one pipelined lane)" if setup.stand_in_async else ""))  # fmt: skip
         else:
-            model = f"model {setup.preset} (random weights, seed {setup.seed})"
+            model = f"codec {setup.codec}, model {setup.preset} (random weights, seed {setup.seed})"
         threads = (f"torch threads: servers and the limit {setup.cores} (all cores); decoder per "
                    f"process max(1, {setup.cores} // N) each "
                    f"({', '.join(f'N={n}: {per_process_threads(setup.cores, n)}' for n in ns)}); "
@@ -407,10 +420,6 @@ class Plan:
 
 def run_and_report(args: argparse.Namespace) -> int:
     """Run what ``args`` asks for, print the tables, write JSON (and the plot); 0 if clean."""
-    if args.codec != "bicodec":
-        from .codec_bench import run_codec_bench
-
-        return run_codec_bench(args)
     try:
         import psutil  # noqa: F401  (the memory and CPU sampler)
     except ImportError:
@@ -467,7 +476,8 @@ def run_and_report(args: argparse.Namespace) -> int:
         "benchmark": "bench_throughput" + ("_sweep" if args.sweep else ""),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "config": {
-            "preset": setup.preset, "seed": setup.seed, "mix": [asdict(b) for b in setup.mix],
+            "codec": setup.codec, "preset": setup.preset, "seed": setup.seed,
+            "mix": [asdict(b) for b in setup.mix], "mix_unit": "frames (BiCodec: tokens)",
             "n_clients": list(ns), "window_s": setup.window, "repeats": plan.repeats,
             "requests_per_client": plan.requests and {str(n): m for n, m in plan.requests.items()},
             "edge": "requests completed after the window closed are left out (cut_at_edge)",
@@ -500,10 +510,13 @@ def run_and_report(args: argparse.Namespace) -> int:
         comparison = compare(results)
         report["summary"] = summary(results)
         report["comparison"] = {str(n): c for n, c in comparison.items()}
-        report["targets"] = targets(comparison, stand_in=setup.stand_in, mix=setup.mix)
+        # The issue's targets were set for BiCodec's model and mix.
+        report["targets"] = (targets(comparison, stand_in=setup.stand_in, mix=setup.mix)
+                             if setup.codec == "bicodec" else [])  # fmt: skip
         print(format_table(results, comparison))
         print()
-        print(format_targets(report["targets"], ran=ns))
+        print(format_targets(report["targets"], ran=ns) if setup.codec == "bicodec"
+              else f"targets: none for {setup.codec} (the issue's targets are BiCodec's)")  # fmt: skip
     print(f"\nwall time {elapsed:.0f} s; failed requests {failed}; left in /dev/shm: "
           f"{', '.join(left) or 'nothing'}")  # fmt: skip
     _write_json(args.json, report)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
+from ..codecs.layout import CodecLayout, get_layout
 from .standin import DEFAULT_A_MS, DEFAULT_B_MS
 from .workload import DEFAULT_MIX, Band
 
@@ -40,7 +41,9 @@ SWEEP_N = 8
 # Peak RSS of one full-size decoder process is ~0.9 GiB (B=8 x 50 tokens); refuse to start N
 # of them unless that much memory is free, rather than push a shared machine into the OOM killer.
 # A stand-in process imports numpy, not torch.
-PROCESS_GIB = {"spark-tts-0.5b": 1.0, "tiny": 0.35, STAND_IN: 0.1}
+PROCESS_GIB = {"spark-tts-0.5b": 1.0, "tiny": 0.35, STAND_IN: 0.1,
+               **{f"{size}-{rate}": 0.6 if size == "snac" else 0.35
+                  for size in ("snac", "tiny") for rate in ("24khz", "32khz", "44khz")}}  # fmt: skip
 START_TIMEOUT = 900.0  # seconds for every process to import torch, build its model and warm up
 REQUEST_TIMEOUT = 900.0  # seconds; a 16 x 300-token batch of the full model on 2 busy cores
 # DecoderServer keywords the benchmark sets itself: the policy also drives the queue server,
@@ -84,13 +87,15 @@ class Policy:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a child process builds: a preset with random weights, or the stand-in."""
+    """What a child process builds: a preset of ``codec`` with random weights, or the stand-in
+    (BiCodec-shaped)."""
 
     preset: str
     seed: int = 0
     a_ms: float = DEFAULT_A_MS  # the stand-in's costs (standin.py)
     b_ms: float = DEFAULT_B_MS
     asynchronous: bool = False  # the stand-in plays an asynchronous device (standin.py)
+    codec: str = "bicodec"
 
     @property
     def stand_in(self) -> bool:
@@ -111,7 +116,8 @@ class Setup:
 
     ``window``: seconds each system runs at each N (clients send until it closes); None for
     the fixed request count of ``--requests``. ``shm``: the bicodec-shm configurations to run
-    (several with ``--lanes``); the limit replays the first one's batches.
+    (several with ``--lanes``); the limit replays the first one's batches. ``codec``: whose
+    layout the requests are drawn with (the mix counts its frames) and whose model ``preset`` is.
     """
 
     preset: str
@@ -128,10 +134,16 @@ class Setup:
     lock_trace: str | None = None  # tests: the stand-in's per-process lock logs entry and exit
     per_process_max_n: int | None = None  # run the decoder per process only at N <= this
     memory_gib: float | None = None  # the machine's memory for the per-process check (None: ask)
+    codec: str = "bicodec"
 
     @property
     def model(self) -> ModelSpec:
-        return ModelSpec(self.preset, self.seed, *self.stand_in_ms, asynchronous=self.stand_in_async)
+        return ModelSpec(self.preset, self.seed, *self.stand_in_ms, codec=self.codec,
+                         asynchronous=self.stand_in_async)
+
+    @property
+    def layout(self) -> CodecLayout:
+        return get_layout(self.codec)
 
     @property
     def stand_in(self) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..codecs.layout import BICODEC, CodecLayout
 from .config import Policy
 from .sampling import _Sampler
 from .workers import Record
@@ -21,7 +22,7 @@ class RunResult:
     n_clients: int
     requests: int
     failed: int
-    tokens: int
+    tokens: int  # frames of the codec (BiCodec: semantic tokens)
     audio_seconds: float
     wall_seconds: float
     audio_s_per_s: float
@@ -51,8 +52,10 @@ class RunResult:
 
 def _summarize(system: str, n: int, records: list[Record], t0: float, t_end: float,
                sampler: _Sampler, *, window: float | None, threads: str, policy: Policy | None,
-               failed: int = 0, latencies: bool = True) -> RunResult:  # fmt: skip
-    """Numbers from the records that completed in [t0, t_end]; the rest were cut at the edge."""
+               failed: int = 0, latencies: bool = True,
+               layout: CodecLayout = BICODEC) -> RunResult:  # fmt: skip
+    """Numbers from the records that completed in [t0, t_end]; the rest were cut at the edge.
+    ``layout``: the codec, whose frames the records count."""
     counted = [r for r in records if r[3] <= t_end]
     wall = max(t_end - t0, 1e-9)
     tokens = sum(r[1] for r in counted)
@@ -60,8 +63,8 @@ def _summarize(system: str, n: int, records: list[Record], t0: float, t_end: flo
     lat_ms = np.array([r[0] for r in counted]) * 1000
     return RunResult(
         system=system, n_clients=n, requests=requests, failed=failed, tokens=tokens,
-        audio_seconds=audio_seconds(tokens), wall_seconds=wall,
-        audio_s_per_s=audio_seconds(tokens) / wall, requests_per_s=requests / wall,
+        audio_seconds=audio_seconds(tokens, layout), wall_seconds=wall,
+        audio_s_per_s=audio_seconds(tokens, layout) / wall, requests_per_s=requests / wall,
         latency_p50_ms=float(np.percentile(lat_ms, 50)) if latencies and len(lat_ms) else None,
         latency_p99_ms=float(np.percentile(lat_ms, 99)) if latencies and len(lat_ms) else None,
         avg_batch_size=1.0, batch_size_histogram={}, peak_rss_mib=sampler.peak_rss / 2**20,

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs.layout import default_max_frames
 from ..transport import (
-    DEFAULT_MAX_TOKENS,
     DEFAULT_SLOTS,
     leftover_objects,
     random_name,
@@ -186,9 +186,9 @@ def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampl
     name = random_name(NAME_PREFIX)
     if names is not None:
         names.append(name)
-    # The defaults a user gets, widened only if this run needs more.
+    # The defaults a user gets (serve --codec X), widened only if this run needs more.
     slots = max(DEFAULT_SLOTS, n)
-    max_tokens = max(DEFAULT_MAX_TOKENS, max(b.hi for b in setup.mix))
+    max_tokens = max(default_max_frames(setup.codec), max(b.hi for b in setup.mix))
     fd, record_path = tempfile.mkstemp(prefix="bcshm-batches-", suffix=".txt")
     os.close(fd)
     run = _Run(ctx, sampler, bar, setup.timeout)
@@ -197,7 +197,7 @@ def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampl
                   variant.server_options, record_path, run.events,
                   name="bench-shm-server")  # fmt: skip
         for i in range(n):
-            run.spawn(_shm_client, name, i, setup.mix, setup.seed, count, setup.timeout,
+            run.spawn(_shm_client, name, setup.codec, i, setup.mix, setup.seed, count, setup.timeout,
                       run.start_event, run.deadline, run.events,
                       name=f"bench-shm-client-{i}")  # fmt: skip
         records, t0, t_end = run.measure(n_ready=n + 1, n_exits=n, window=setup.window,
@@ -213,7 +213,8 @@ def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampl
     if left:
         raise RuntimeError(f"/dev/shm objects left behind under {name!r}: {left}")
     result = _summarize(variant.label, n, records, t0, t_end, sampler, window=setup.window,
-                        policy=policy, threads=f"server {setup.cores}, clients import no torch")  # fmt: skip
+                        policy=policy, threads=f"server {setup.cores}, clients import no torch",
+                        layout=setup.layout)  # fmt: skip
     result.failed = stats.get("failed", 0)
     if batches:
         _batch_stats(result, batches)
@@ -241,7 +242,7 @@ def bench_limit(setup: Setup, batches: list[list[int]], n: int, *, ctx: Any, sam
         run.stop()
     result = _summarize(LIMIT, n, records, t0, t_end, sampler, window=setup.window,
                         policy=setup.policy, latencies=False,
-                        threads=f"{setup.cores} (one process)")  # fmt: skip
+                        threads=f"{setup.cores} (one process)", layout=setup.layout)  # fmt: skip
     _batch_stats(result, batches)
     result.note = f"replays {setup.shm[0].label}'s batches; no latency (no clients)"
     return result
@@ -268,7 +269,8 @@ def bench_per_process(setup: Setup, n: int, *, count: int | None = None, ctx: An
     finally:
         run.stop()
     result = _summarize(PER_PROCESS, n, records, t0, t_end, sampler, window=setup.window,
-                        policy=None, threads=f"{threads} per process x {n}")  # fmt: skip
+                        policy=None, threads=f"{threads} per process x {n}",
+                        layout=setup.layout)  # fmt: skip
     if setup.stand_in:
         result.note = "one cross-process lock around each decode (one device, time-sliced)"
     return result
@@ -285,8 +287,8 @@ def bench_queue(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sam
         server = run.spawn(_queue_server, setup.model, setup.cores, setup.policy, requests_q,
                            reply_qs, run.deadline, run.events, name="bench-queue-server")  # fmt: skip
         for i in range(n):
-            run.spawn(_queue_client, i, setup.mix, setup.seed, count, setup.timeout, requests_q,
-                      reply_qs[i], run.start_event, run.deadline, run.events,
+            run.spawn(_queue_client, setup.codec, i, setup.mix, setup.seed, count, setup.timeout,
+                      requests_q, reply_qs[i], run.start_event, run.deadline, run.events,
                       name=f"bench-queue-client-{i}")  # fmt: skip
         records, t0, t_end = run.measure(n_ready=n + 1, n_exits=n, window=setup.window,
                                          count=count)
@@ -299,7 +301,7 @@ def bench_queue(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sam
     finally:
         run.stop()
     result = _summarize(QUEUE, n, records, t0, t_end, sampler, window=setup.window,
-                        policy=setup.policy,
+                        policy=setup.policy, layout=setup.layout,
                         threads=f"server {setup.cores}, clients import no torch")  # fmt: skip
     rows = sum(b * c for b, c in hist.items())
     result.avg_batch_size = rows / sum(hist.values()) if hist else 0.0

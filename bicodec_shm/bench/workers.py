@@ -1,5 +1,8 @@
 """The child processes of every system (module level, so that the spawn context can import
-them; torch is imported only where a model lives, never by the bicodec-shm clients)."""
+them; torch is imported only where a model lives, never by the bicodec-shm clients).
+
+Every system decodes the same requests of the codec under test (``workload.request_stream``);
+those without a server decode them with the server's own codec adapter (``decoding.py``)."""
 
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..transport import HOP, N_GLOBAL
+from ..codecs.layout import CodecLayout, get_layout
 from .config import LIMIT, PER_PROCESS, QUEUE, SHM, START_TIMEOUT, ModelSpec, Policy
-from .standin import StandInDecoder
-from .workload import GLOBAL_VOCAB, SEMANTIC_VOCAB, Band, Pending, plan, request_stream
+from .decoding import load_model
+from .workload import Band, Pending, Request, plan, random_request, request_stream
 
 
 def _child_setup(on_orphan: Callable[[], None] | None = None) -> None:
@@ -47,35 +50,9 @@ def _reporting(events: Any, who: str) -> Iterator[None]:
         raise
 
 
-DEVICE_ENV = "BICODEC_SHM_BENCH_DEVICE"
-
-# A completed request or batch, as children report it at exit: (latency s, tokens, rows, t1),
+# A completed request or batch, as children report it at exit: (latency s, frames, rows, t1),
 # t1 from perf_counter, which is CLOCK_MONOTONIC on Linux: one clock for every process.
 Record = tuple[float, int, int, float]
-
-
-def _load_model(spec: ModelSpec, threads: int) -> Any:
-    """Build, then warm up, a decoder (the first calls pay for lazy initialisation)."""
-    if spec.stand_in:
-        # no torch, nothing to warm up
-        return StandInDecoder(a_ms=spec.a_ms, b_ms=spec.b_ms, asynchronous=spec.asynchronous)
-    import torch
-
-    torch.set_num_threads(threads)
-    from ..model import BiCodecDecoder
-    from ..model.devices import exact_cuda_math
-
-    # Spawned workers inherit the device through the environment (set by --device).
-    device = torch.device(os.environ.get(DEVICE_ENV, "cpu"))
-    if device.type == "cuda":
-        # Every system, not only bicodec-shm's DecoderServer, runs with the server's math: a
-        # baseline left at cuDNN's TF32 default would be faster for that alone.
-        exact_cuda_math()
-    model = BiCodecDecoder.from_config(spec.preset, seed=spec.seed).to(device)
-    semantic = torch.zeros(2, 25, dtype=torch.long)
-    model.detokenize(semantic, torch.zeros(2, N_GLOBAL, dtype=torch.long), torch.tensor([25, 20]))
-    model.detokenize(semantic[:1], torch.zeros(1, N_GLOBAL, dtype=torch.long))
-    return model
 
 
 def _to_int16(audio: np.ndarray) -> np.ndarray:
@@ -85,8 +62,8 @@ def _to_int16(audio: np.ndarray) -> np.ndarray:
     return scaled.astype(np.int16)
 
 
-def _client_loop(index: int, requests: Iterable[tuple[np.ndarray, np.ndarray]],
-                 decode: Callable[[np.ndarray, np.ndarray], Any], start: Any, deadline: Any,
+def _client_loop(index: int, requests: Iterable[Request], samples_per_frame: int,
+                 decode: Callable[[Request], Any], start: Any, deadline: Any,
                  events: Any) -> None:  # fmt: skip
     """Announce readiness, wait for the common start, then decode one request after another
     until the window closes (``deadline``, a perf_counter value the parent sets just before
@@ -98,19 +75,27 @@ def _client_loop(index: int, requests: Iterable[tuple[np.ndarray, np.ndarray]],
     end = deadline.value
     clock = time.perf_counter
     records: list[Record] = []
-    for k, (semantic, speaker) in enumerate(requests):
+    for k, request in enumerate(requests):
         if clock() >= end:
             break
         t0 = clock()
-        pcm = decode(semantic, speaker)
+        pcm = decode(request)
         t1 = clock()
-        if len(pcm) != HOP * len(semantic):
-            raise RuntimeError(f"request {k}: {len(pcm)} samples, expected {HOP * len(semantic)}")
-        records.append((t1 - t0, len(semantic), 1, t1))
+        if len(pcm) != samples_per_frame * request.frames:
+            raise RuntimeError(f"request {k}: {len(pcm)} samples, expected "
+                               f"{samples_per_frame * request.frames}")  # fmt: skip
+        records.append((t1 - t0, request.frames, 1, t1))
     events.put(("exit", index, records))
 
 
-def _shm_client(name: str, index: int, mix: Sequence[Band], seed: int, count: int | None,
+def _numpy_client(codec: str, index: int, mix: Sequence[Band], seed: int,
+                  count: int | None) -> tuple[Iterator[Request], int]:  # fmt: skip
+    """Client ``index``'s requests of ``codec`` and the samples one of its frames decodes to."""
+    layout = get_layout(codec)
+    return request_stream(mix, seed, index, count, layout), layout.samples_per_frame
+
+
+def _shm_client(name: str, codec: str, index: int, mix: Sequence[Band], seed: int, count: int | None,
                 timeout: float, start: Any, deadline: Any, events: Any) -> None:  # fmt: skip
     _child_setup()
     with _reporting(events, f"{SHM} client {index}"):
@@ -118,14 +103,18 @@ def _shm_client(name: str, index: int, mix: Sequence[Band], seed: int, count: in
 
         # One slot: this worker has one request in flight at a time.
         with DecoderClient(name, slots=1, timeout=timeout, connect_timeout=START_TIMEOUT) as client:
-            _client_loop(index, request_stream(mix, seed, index, count), client.decode, start,
+
+            def decode(request: Request) -> np.ndarray:
+                return client.decode_codes(request.levels, global_ids=request.global_ids)
+
+            _client_loop(index, *_numpy_client(codec, index, mix, seed, count), decode, start,
                          deadline, events)  # fmt: skip
 
 
 class _RecordingDecoder:
-    """Passes ``detokenize`` through to the model and appends each batch to a file: the
-    perf_counter time it started, then its lengths. Any other attribute the server asks for
-    is the model's own, so that a server using more of the model's interface sees it."""
+    """The model, whose codec adapter (the server's only way to decode) appends each batch to a
+    file: the perf_counter time it started, then its lengths. Any other attribute the server
+    asks for is the model's own, so that a server using more of the model's interface sees it."""
 
     def __init__(self, model: Any, path: str) -> None:
         self.model = model
@@ -141,22 +130,36 @@ class _RecordingDecoder:
             raise AttributeError(name)
         return getattr(self.model, name)
 
-    def detokenize(self, semantic_ids: Any, global_ids: Any, lengths: Any) -> Any:
-        """(B, T) long, (B, 32) long, (B,) long -> (B, 320·T) float32."""
+    def codec_adapter(self) -> Any:
+        from ..adapters import codec_adapter
+
+        return _RecordingAdapter(codec_adapter(self.model), self._file)
+
+
+class _RecordingAdapter:
+    """A codec adapter that logs each batch it decodes (``_RecordingDecoder``)."""
+
+    def __init__(self, adapter: Any, file: Any) -> None:
+        self.adapter = adapter
+        self.layout = adapter.layout
+        self._file = file
+
+    def detokenize(self, batch: Any) -> Any:
+        """A gathered ``slot_io.Batch`` -> (B, spf·T) float audio, as the wrapped adapter's."""
         started = time.perf_counter()
-        out = self.model.detokenize(semantic_ids, global_ids, lengths)
-        self._record(started, lengths)
+        out = self.adapter.detokenize(batch)
+        self._record(started, batch)
         return out
 
-    def launch(self, semantic_ids: Any, global_ids: Any, lengths: Any) -> Any:
-        """An asynchronous stand-in's launch (standin.py), recorded when launched."""
+    def launch(self, batch: Any) -> Any:
+        """An asynchronous stand-in's launch (standin.py): (audio, event), recorded at launch."""
         started = time.perf_counter()
-        out = self.model.launch(semantic_ids, global_ids, lengths)
-        self._record(started, lengths)
+        out = self.adapter.launch(batch)
+        self._record(started, batch)
         return out
 
-    def _record(self, started: float, lengths: Any) -> None:
-        self._file.write(f"{started!r} " + " ".join(str(n) for n in lengths.tolist()) + "\n")
+    def _record(self, started: float, batch: Any) -> None:
+        self._file.write(f"{started!r} " + " ".join(str(n) for n in batch.lengths.tolist()) + "\n")
 
 
 def _show_lane_choices() -> None:
@@ -188,7 +191,7 @@ def _shm_server(name: str, spec: ModelSpec, threads: int, policy: Policy, slots:
     with _reporting(events, f"{SHM} server"):
         from ..server import DecoderServer
 
-        decoder = _RecordingDecoder(_load_model(spec, threads), record_path)
+        decoder = _RecordingDecoder(load_model(spec, threads), record_path)
         options = {"slots": slots, "max_tokens": max_tokens, **server_options}
         _show_lane_choices()
         server = DecoderServer(decoder, name, max_batch=policy.max_batch,
@@ -220,37 +223,39 @@ def _own_decoder_client(spec: ModelSpec, threads: int, index: int, mix: Sequence
     lock across the processes: they time-slice one device, as processes sharing a GPU do."""
     _child_setup()
     with _reporting(events, f"{PER_PROCESS} {index}"):
-        model = _load_model(spec, threads)
-        if spec.stand_in:
+        model = load_model(spec, threads)
+        if spec.stand_in:  # numpy in, numpy out: this process never imports torch
             trace = open(trace_path, "a", buffering=1) if trace_path else None
 
-            def decode(semantic: np.ndarray, speaker: np.ndarray) -> np.ndarray:
+            def decode(request: Request) -> np.ndarray:
                 with _traced(lock, trace):
-                    audio = model.detokenize(semantic[None], speaker[None])
+                    audio = model.detokenize(request.levels[0][None], request.global_ids[None])
                 return _to_int16(audio[0])
         else:
-            import torch
+            from ..adapters import codec_adapter
+            from .decoding import as_batch, decode_rows
 
-            def decode(semantic: np.ndarray, speaker: np.ndarray) -> np.ndarray:
-                audio = model.detokenize(torch.from_numpy(semantic)[None],
-                                         torch.from_numpy(speaker)[None])  # fmt: skip
-                return _to_int16(audio[0].cpu().numpy())
+            adapter = codec_adapter(model)
 
-        _client_loop(index, request_stream(mix, spec.seed, index, count), decode, start, deadline,
-                     events)  # fmt: skip
+            def decode(request: Request) -> np.ndarray:  # unpadded: one request alone
+                return _to_int16(decode_rows(adapter, as_batch([request], adapter.layout))[0])
+
+        _client_loop(index, *_numpy_client(spec.codec, index, mix, spec.seed, count), decode, start,
+                     deadline, events)  # fmt: skip
 
 
-def _queue_client(index: int, mix: Sequence[Band], seed: int, count: int | None, timeout: float,
-                  requests_q: Any, reply_q: Any, start: Any, deadline: Any,
+def _queue_client(codec: str, index: int, mix: Sequence[Band], seed: int, count: int | None,
+                  timeout: float, requests_q: Any, reply_q: Any, start: Any, deadline: Any,
                   events: Any) -> None:  # fmt: skip
     _child_setup()
     with _reporting(events, f"{QUEUE} client {index}"):
 
-        def decode(semantic: np.ndarray, speaker: np.ndarray) -> np.ndarray:
-            requests_q.put((index, time.monotonic_ns(), semantic, speaker))
+        def decode(request: Request) -> np.ndarray:
+            requests_q.put((index, time.monotonic_ns(), request))
             return reply_q.get(timeout=timeout)
 
-        _client_loop(index, request_stream(mix, seed, index, count), decode, start, deadline, events)
+        _client_loop(index, *_numpy_client(codec, index, mix, seed, count), decode, start, deadline,
+                     events)  # fmt: skip
 
 
 def _queue_server(spec: ModelSpec, threads: int, policy: Policy, requests_q: Any, reply_qs: list,
@@ -259,11 +264,13 @@ def _queue_server(spec: ModelSpec, threads: int, policy: Policy, requests_q: Any
     Its batch-size histogram counts the batches started before the window closed."""
     _child_setup()
     with _reporting(events, f"{QUEUE} server"):
-        import torch
+        from ..adapters import codec_adapter
+        from .decoding import as_batch, decode_rows
 
-        model = _load_model(spec, threads)
+        adapter = codec_adapter(load_model(spec, threads))
+        spf = adapter.layout.samples_per_frame
         events.put(("ready", "server"))
-        waiting: dict[int, tuple] = {}  # request id -> (client, semantic, speaker)
+        waiting: dict[int, tuple[int, Request]] = {}  # request id -> (client, request)
         pending: list[Pending] = []
         hist: dict[int, int] = {}
         ids = iter(range(1 << 62))
@@ -274,10 +281,10 @@ def _queue_server(spec: ModelSpec, threads: int, policy: Policy, requests_q: Any
             if item is None:
                 stopping = True
                 return
-            client, submitted_ns, semantic, speaker = item
+            client, submitted_ns, request = item
             rid = next(ids)
-            waiting[rid] = (client, semantic, speaker)
-            pending.append(Pending(rid, len(semantic), submitted_ns))
+            waiting[rid] = (client, request)
+            pending.append(Pending(rid, request.frames, submitted_ns))
 
         def drain(timeout: float | None) -> None:
             """Take what has arrived; block up to ``timeout`` for the first item (None: forever)."""
@@ -302,18 +309,11 @@ def _queue_server(spec: ModelSpec, threads: int, policy: Policy, requests_q: Any
             taken = {p.key for p in batch}
             pending[:] = [p for p in pending if p.key not in taken]
             rows = [waiting.pop(p.key) for p in batch]
-            longest = batch[0].length
-            semantic = np.zeros((len(rows), longest), np.int64)
-            for j, (_, sem, _) in enumerate(rows):
-                semantic[j, : len(sem)] = sem
-            speakers = np.stack([spk for _, _, spk in rows])
-            lengths = np.array([p.length for p in batch], np.int64)
             if time.perf_counter() <= deadline.value:
                 hist[len(batch)] = hist.get(len(batch), 0) + 1
-            audio = model.detokenize(torch.from_numpy(semantic), torch.from_numpy(speakers),
-                                     torch.from_numpy(lengths)).cpu().numpy()  # fmt: skip
-            for j, (client, sem, _) in enumerate(rows):
-                reply_qs[client].put(_to_int16(audio[j, : HOP * len(sem)]))
+            audio = decode_rows(adapter, as_batch([r for _, r in rows], adapter.layout))
+            for j, (client, request) in enumerate(rows):
+                reply_qs[client].put(_to_int16(audio[j, : spf * request.frames]))
         events.put(("stats", hist))
 
 
@@ -325,26 +325,24 @@ def _limit_worker(spec: ModelSpec, threads: int, batches: list[list[int]], start
     In a window, the batches are replayed in a loop until it closes; else once."""
     _child_setup()
     with _reporting(events, LIMIT):
-        import torch
+        from ..adapters import codec_adapter
+        from .decoding import as_batch, decode_rows
 
-        model = _load_model(spec, threads)
+        adapter = codec_adapter(load_model(spec, threads))
+        layout: CodecLayout = adapter.layout
         rng = np.random.default_rng([spec.seed, 2])
-        inputs = []
-        for lengths in batches:
-            semantic = rng.integers(0, SEMANTIC_VOCAB, (len(lengths), max(lengths)), dtype=np.int64)
-            speakers = rng.integers(0, GLOBAL_VOCAB, (len(lengths), N_GLOBAL), dtype=np.int64)
-            inputs.append((torch.from_numpy(semantic), torch.from_numpy(speakers),
-                           torch.tensor(lengths, dtype=torch.long), lengths))  # fmt: skip
+        inputs = [(as_batch([random_request(rng, layout, n) for n in lengths], layout), lengths)
+                  for lengths in batches]  # fmt: skip
         events.put(("ready", "limit"))
         start.wait()
         end = deadline.value
         clock = time.perf_counter
         records: list[Record] = []
-        for semantic, speakers, lengths, plain in itertools.cycle(inputs) if end < math.inf else inputs:
+        for batch, plain in itertools.cycle(inputs) if end < math.inf else inputs:
             if clock() >= end:
                 break
             t0 = clock()
-            model.detokenize(semantic, speakers, lengths).cpu().numpy()
+            decode_rows(adapter, batch)
             t1 = clock()
             records.append((t1 - t0, sum(plain), len(plain), t1))
         events.put(("exit", "limit", records))

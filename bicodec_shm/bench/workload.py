@@ -1,20 +1,24 @@
-"""The requests: lengths drawn from a mix, random ids, and how many per client."""
+"""The requests: lengths drawn from a mix, random codes of the codec's layout, and how many per
+client.
+
+Lengths count frames (one code of the coarsest level; BiCodec: one semantic token, 20 ms; SNAC
+24 kHz: 2048 samples, ~85 ms). A request of ``n`` frames holds ``n·rate_i`` codes at level ``i``
+(SNAC 24 kHz: 1 : 2 : 4) and the codec's global ids, if it takes any (BiCodec's 32 per client).
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from ..batching import DEFAULT_MIN_FILL, plan_batch
-from ..transport import HOP, N_GLOBAL
+from ..codecs.layout import BICODEC, CodecLayout
 
-SAMPLE_RATE = 16_000
-SEMANTIC_VOCAB = 8192
-GLOBAL_VOCAB = 4096
-DEFAULT_MIX = "25-50:0.8,100-300:0.2"
+DEFAULT_MIX = "25-50:0.8,100-300:0.2"  # BiCodec tokens: 0.5-1 s chunks, 2-6 s utterances
 # Full mode: M = max(MIN_REQUESTS, TOTAL_REQUESTS // N), so every N decodes about as much audio
 # (~34 s). The full-size model decodes ~0.5-1 audio s per wall s on 2 cores: ~20-25 min in all.
 TOTAL_REQUESTS = 24
@@ -71,19 +75,62 @@ def draw_lengths(mix: Sequence[Band], n_clients: int, n_requests: int, seed: int
     return [list(itertools.islice(length_stream(mix, seed, i), n_requests)) for i in range(n_clients)]
 
 
-def request_stream(mix: Sequence[Band], seed: int, index: int,
-                   count: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
-    """Client ``index``'s requests: (T,) int64 semantic ids of the stream's lengths and the
-    client's (32,) int64 speaker; endless unless ``count`` is given."""
+def default_mix(layout: CodecLayout = BICODEC) -> str:
+    """``DEFAULT_MIX``'s seconds of audio in ``layout``'s frames (SNAC 24 kHz: 6-12, 23-70)."""
+    if layout.frame_rate == BICODEC.frame_rate:
+        return DEFAULT_MIX
+    scale = layout.frame_rate / BICODEC.frame_rate
+    return ",".join(f"{max(1, round(b.lo * scale))}-{max(1, round(b.hi * scale))}:{b.weight:g}"
+                    for b in parse_mix(DEFAULT_MIX))  # fmt: skip
+
+
+class Request(NamedTuple):
+    """One request: ``levels`` [(n·r_0,), (n·r_1,), ...] int64 codes, ``global_ids``
+    (n_global,) int64 or None for a codec without them."""
+
+    levels: list[np.ndarray]
+    global_ids: np.ndarray | None
+
+    @property
+    def frames(self) -> int:
+        return len(self.levels[0])
+
+
+def request_stream(mix: Sequence[Band], seed: int, index: int, count: int | None = None,
+                   layout: CodecLayout = BICODEC) -> Iterator[Request]:  # fmt: skip
+    """Client ``index``'s requests of the stream's lengths, random codes of every level and the
+    client's own global ids (one speaker per client); endless unless ``count`` is given."""
     rng = np.random.default_rng([seed, index, 1])
-    speaker = rng.integers(0, GLOBAL_VOCAB, N_GLOBAL, dtype=np.int64)
+    speaker = _global_ids(rng, layout)
     lengths = itertools.islice(length_stream(mix, seed, index), count)
     for n in lengths:
-        yield rng.integers(0, SEMANTIC_VOCAB, n, dtype=np.int64), speaker
+        levels = [rng.integers(0, vocab, n * rate, dtype=np.int64)
+                  for rate, vocab in zip(layout.level_rates, layout.level_vocab)]  # fmt: skip
+        yield Request(levels, speaker)
 
 
-def audio_seconds(tokens: int) -> float:
-    return tokens * HOP / SAMPLE_RATE
+def random_request(rng: np.random.Generator, layout: CodecLayout, frames: int) -> Request:
+    """A request of ``frames`` frames with random codes and global ids."""
+    levels = [rng.integers(0, vocab, frames * rate, dtype=np.int64)
+              for rate, vocab in zip(layout.level_rates, layout.level_vocab)]  # fmt: skip
+    return Request(levels, _global_ids(rng, layout))
+
+
+def _global_ids(rng: np.random.Generator, layout: CodecLayout) -> np.ndarray | None:
+    """(n_global,) int64 random global ids, or None for a codec that takes none."""
+    if not layout.takes_global_ids:
+        return None
+    return rng.integers(0, layout.global_vocab, layout.n_global, dtype=np.int64)
+
+
+def zero_request(layout: CodecLayout, frames: int) -> Request:
+    """A request of ``frames`` frames of code 0 (for warm-ups)."""
+    glob = np.zeros(layout.n_global, np.int64) if layout.n_global else None
+    return Request([np.zeros(frames * r, np.int64) for r in layout.level_rates], glob)
+
+
+def audio_seconds(frames: int, layout: CodecLayout = BICODEC) -> float:
+    return frames * layout.samples_per_frame / layout.sample_rate
 
 
 def requests_per_client(n: int, requests: int | None, total: int = TOTAL_REQUESTS) -> int:

@@ -14,6 +14,7 @@ from .layout import (
     CodecLayout,
     check_noise_seed,
     check_request,
+    check_start_frame,
     get_layout,
 )
 from .orpheus import codes_to_orpheus, custom_token_numbers, orpheus_to_codes
@@ -28,6 +29,7 @@ __all__ = [
     "CodecLayout",
     "check_noise_seed",
     "check_request",
+    "check_start_frame",
     "codes_to_orpheus",
     "custom_token_numbers",
     "get_layout",

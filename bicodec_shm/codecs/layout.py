@@ -127,11 +127,22 @@ MAX_NOISE_SEED = 2**63 - 1
 
 def check_noise_seed(seed: Any) -> int:
     """``seed`` as an int in ``[0, 2**63)``; raises ValueError otherwise (bools refused too)."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"noise_seed must be an int in [0, 2**63), got {seed!r}")
-    if not 0 <= int(seed) <= MAX_NOISE_SEED:
-        raise ValueError(f"noise_seed must be in [0, 2**63), got {int(seed)}")
-    return int(seed)
+    return _bounded_int(seed, "noise_seed", MAX_NOISE_SEED, "[0, 2**63)")
+
+
+MAX_START_FRAME = 2**32 - 1  # the slot's field is 32 bits: ~4 days of audio at 24 kHz
+
+
+def check_start_frame(frame: Any) -> int:
+    """``frame`` as an int in ``[0, 2**32)``; raises ValueError otherwise (bools refused too)."""
+    return _bounded_int(frame, "start_frame", MAX_START_FRAME, "[0, 2**32)")
+
+
+def _bounded_int(value: Any, what: str, most: int, span: str) -> int:
+    """``value`` as an int in ``[0, most]``, else a ValueError naming ``what`` and ``span``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= most:
+        raise ValueError(f"{what} must be an int in {span}, got {value!r}")
+    return int(value)
 
 
 BICODEC = CodecLayout("bicodec", (1,), (8192,), 320, 16000, n_global=32, global_vocab=4096)
@@ -140,6 +151,16 @@ SNAC_32KHZ = CodecLayout("snac-32khz", (1, 2, 4, 8), (4096,) * 4, 3072, 32000)
 SNAC_44KHZ = CodecLayout("snac-44khz", (1, 2, 4, 8), (4096,) * 4, 3072, 44100)
 
 LAYOUTS: dict[str, CodecLayout] = {c.name: c for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ)}
+
+
+DEFAULT_MAX_SECONDS = 30  # the longest request a server takes by default (serve --max-tokens)
+
+
+def default_max_frames(codec: str) -> int:
+    """Frames of ``DEFAULT_MAX_SECONDS`` of ``codec``'s audio: the server's default --max-tokens
+    (BiCodec: 1500, SNAC 24 kHz: 352)."""
+    layout = get_layout(codec)
+    return -(-DEFAULT_MAX_SECONDS * layout.sample_rate // layout.samples_per_frame)
 
 
 def get_layout(name: str) -> CodecLayout:

@@ -9,14 +9,17 @@ A weight-normalised convolution ``NAME`` may be stored in any of three forms (``
 ``w = g · v / ‖v‖``, the norm taken over every dim but 0 (output channels for Conv1d, input
 channels for ConvTranspose1d). Loading folds once; the model only ever holds plain weights.
 Keys the decode path does not use (encoder, postnet, ...) are ignored.
+
+The weight-norm folding, the checks of a state dict against a model and the config file's error
+handling here are every codec's (``snac/checkpoint.py`` reads SNAC's folders through them).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import yaml
@@ -39,6 +42,7 @@ _SUFFIXES: dict[Form, tuple[str, ...]] = {
     "parametrizations": ("parametrizations.weight.original0", "parametrizations.weight.original1"),
     "folded": ("weight",),
 }
+Config = TypeVar("Config")
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
 
@@ -84,13 +88,17 @@ def convert_state_dict(
     return out
 
 
-def find_folder(path: str | os.PathLike[str]) -> Path:
-    """The BiCodec folder for ``path``: itself, or its ``BiCodec/`` subfolder (a model folder)."""
+def existing_folder(path: str | os.PathLike[str]) -> Path:
+    """``path`` if it is a folder, its parent if it is a file; CheckpointError if neither."""
     folder = Path(path)
     if not folder.exists():
         raise CheckpointError(f"{folder}: no such file or directory")
-    if folder.is_file():
-        folder = folder.parent
+    return folder.parent if folder.is_file() else folder
+
+
+def find_folder(path: str | os.PathLike[str]) -> Path:
+    """The BiCodec folder for ``path``: itself, or its ``BiCodec/`` subfolder (a model folder)."""
+    folder = existing_folder(path)
     has_own = any((folder / name).exists() for name in (CONFIG_FILE, WEIGHTS_FILE))
     if not has_own and (folder / SUBFOLDER).is_dir():
         folder = folder / SUBFOLDER
@@ -103,19 +111,31 @@ def find_folder(path: str | os.PathLike[str]) -> Path:
     return folder
 
 
-def read_config(file: Path) -> BiCodecConfig:
-    """Parse ``config.yaml``; raises CheckpointError on bad YAML or missing/invalid fields."""
+def read_config_file(file: Path, parse: Callable[[str], Any], language: str,
+                     parse_errors: tuple[type[Exception], ...],
+                     build: Callable[[Any], Config]) -> Config:  # fmt: skip
+    """``build(parse(text of file))``; a file ``parse`` cannot read, or a ValueError of ``build``
+    (the config's own checks), is a CheckpointError naming ``file``."""
     try:
-        doc = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: not valid YAML: {exc}") from exc
-    section = doc.get("audio_tokenizer") if isinstance(doc, Mapping) else None
-    if not isinstance(section, Mapping):
-        raise CheckpointError(f"{file}: no 'audio_tokenizer' mapping at the top level")
+        doc = parse(file.read_text(encoding="utf-8"))
+    except (*parse_errors, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid {language}: {exc}") from exc
     try:
-        return BiCodecConfig.from_dict(section)
+        return build(doc)
     except ValueError as exc:
         raise CheckpointError(f"{file}: {exc}") from exc
+
+
+def read_config(file: Path) -> BiCodecConfig:
+    """Parse ``config.yaml``; raises CheckpointError on bad YAML or missing/invalid fields."""
+    return read_config_file(file, yaml.safe_load, "YAML", (yaml.YAMLError,), _audio_tokenizer)
+
+
+def _audio_tokenizer(doc: Any) -> BiCodecConfig:
+    section = doc.get("audio_tokenizer") if isinstance(doc, Mapping) else None
+    if not isinstance(section, Mapping):
+        raise ValueError("no 'audio_tokenizer' mapping at the top level")
+    return BiCodecConfig.from_dict(section)
 
 
 def write_config(file: Path, config: BiCodecConfig) -> None:
@@ -208,9 +228,14 @@ def _plan(
     return plan
 
 
+def export_state_dict(model: nn.Module, form: Form) -> dict[str, torch.Tensor]:
+    """``model``'s weights as contiguous CPU copies, its weight-normalised ones in ``form``."""
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    return convert_state_dict(state, weight_norm_prefixes(model), form)
+
+
 def write_state_dict(file: Path, model: nn.Module, form: Form = "weight_norm") -> int:
     """Write ``model``'s weights in Spark-TTS key layout; returns the number of tensors written."""
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    tensors = convert_state_dict(state, weight_norm_prefixes(model), form)
+    tensors = export_state_dict(model, form)
     save_file(tensors, str(file), metadata={"format": "pt"})
     return len(tensors)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, get_type_hints
 
+from .config_values import as_bool, as_int, as_ints, from_preset, plain, require_positive
+
 
 @dataclass(frozen=True)
 class QuantizerConfig:
@@ -127,7 +129,7 @@ class BiCodecConfig:
         sample_rate = mel.get("sample_rate", 16000) if isinstance(mel, Mapping) else 16000
         if problems:
             raise ValueError("bad audio_tokenizer config: " + "; ".join(problems))
-        return cls(**sections, sample_rate=_as_int("mel_params.sample_rate", sample_rate))
+        return cls(**sections, sample_rate=as_int("mel_params.sample_rate", sample_rate))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``audio_tokenizer`` mapping, with the real file's names for the sections we model."""
@@ -136,18 +138,13 @@ class BiCodecConfig:
         }
         for name in _SECTIONS:
             section = getattr(self, name)
-            out[name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
+            out[name] = {f.name: plain(getattr(section, f.name)) for f in fields(section)}
         return out
 
     @classmethod
     def preset(cls, name: str) -> BiCodecConfig:
         """A named configuration: ``"spark-tts-0.5b"`` (the released size) or ``"tiny"`` (tests)."""
-        try:
-            return cls.from_dict(PRESETS[name])
-        except KeyError:
-            raise ValueError(
-                f"unknown preset {name!r}; expected one of {sorted(PRESETS)}"
-            ) from None
+        return from_preset(cls, PRESETS, name)
 
 
 def _parse_section(name: str, kind: type, raw: Any, problems: list[str]) -> Any:
@@ -174,24 +171,10 @@ def _parse_section(name: str, kind: type, raw: Any, problems: list[str]) -> Any:
 
 def _convert(key: str, hint: Any, value: Any) -> Any:
     if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"'{key}' must be true or false, got {value!r}")
-        return value
+        return as_bool(key, value)
     if hint is int:
-        return _as_int(key, value)
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"'{key}' must be a list of integers, got {value!r}")
-    return tuple(_as_int(key, v) for v in value)
-
-
-def _as_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"'{key}' must be an integer, got {value!r}")
-    return value
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+        return as_int(key, value)
+    return as_ints(key, value)
 
 
 def _check_consistent(cfg: BiCodecConfig) -> None:
@@ -210,9 +193,7 @@ def _check_consistent(cfg: BiCodecConfig) -> None:
         "decoder.channels": d.channels,
         "sample_rate": cfg.sample_rate,
     }
-    bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
-    if bad:
-        raise ValueError(f"these must be >= 1: {', '.join(bad)}")
+    require_positive(positive)
     if not s.fsq_levels or min(s.fsq_levels) < 2:
         raise ValueError(f"speaker_encoder.fsq_levels must be non-empty, each >= 2: {s.fsq_levels}")
     if s.fsq_num_quantizers != 1:

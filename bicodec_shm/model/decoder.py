@@ -6,25 +6,24 @@ Submodule names follow the Spark-TTS checkpoint (``quantizer``, ``speaker_encode
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from . import checkpoint
 from .backbone import Prenet
 from .config import BiCodecConfig
-from .modules import AdaLayerNorm, ConvNeXtBlock, Snake1d, TimeMask
+from .config_values import as_config
+from .inputs import IdsLike, as_ids, check_lengths, check_range
+from .modules import AdaLayerNorm, ConvNeXtBlock, ResidualUnit, TimeMask
 from .precision import apply_dtype
 from .quantizers import SemanticDequantizer, SpeakerDequantizer
-from .wavegen import ResidualUnit, WaveGenerator
-
-IdsLike = torch.Tensor | np.ndarray
+from .random_weights import WeightDraw, init_common_layers, seeded
+from .wavegen import WaveGenerator
 
 # Random-init gains, measured: with these, seed-0 audio has RMS 0.12 (tiny) and 0.14 (full size)
 # and no sample past |0.99|; with gain 1 every block triples the RMS and tanh saturates.
@@ -76,10 +75,8 @@ class BiCodecDecoder(nn.Module):
         Raises:
             ValueError: an unknown preset or dtype.
         """
-        model = cls(_as_config(cfg))
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-        _random_init(model, torch.Generator().manual_seed(seed))
+        model = cls(as_config(cfg, BiCodecConfig))
+        _random_init(model, seeded(seed))
         return apply_dtype(model, dtype).eval()
 
     @classmethod
@@ -189,16 +186,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _as_config(cfg: BiCodecConfig | Mapping[str, Any] | str) -> BiCodecConfig:
-    if isinstance(cfg, BiCodecConfig):
-        return cfg
-    if isinstance(cfg, str):
-        return BiCodecConfig.preset(cfg)
-    if isinstance(cfg, Mapping):
-        return BiCodecConfig.from_dict(cfg)
-    raise TypeError(f"cfg must be a BiCodecConfig, a mapping or a preset name, got {type(cfg)}")
-
-
 def _check_inputs(
     cfg: BiCodecConfig,
     semantic_ids: IdsLike,
@@ -206,8 +193,8 @@ def _check_inputs(
     lengths: IdsLike | Sequence[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Validate and convert to int64 tensors: (B, T), (B, n_global), (B,) or None."""
-    semantic = _as_ids("semantic_ids", semantic_ids, dims=2)
-    glob = _as_ids("global_ids", global_ids, dims=2)
+    semantic = as_ids("semantic_ids", semantic_ids, dims=2)
+    glob = as_ids("global_ids", global_ids, dims=2)
     batch, n_frames = semantic.shape
     if batch == 0:
         raise ValueError("semantic_ids is an empty batch (B = 0)")
@@ -218,89 +205,29 @@ def _check_inputs(
             f"global_ids must have shape (B, {cfg.n_global}) = ({batch}, "
             f"{cfg.n_global}), got {tuple(glob.shape)}"
         )
-    _check_range("semantic_ids", semantic, cfg.semantic_vocab)
-    _check_range("global_ids", glob, cfg.global_vocab)
+    check_range("semantic_ids", semantic, cfg.semantic_vocab)
+    check_range("global_ids", glob, cfg.global_vocab)
     if lengths is None:
         return semantic, glob, None
-    if not isinstance(lengths, (torch.Tensor, np.ndarray)):
-        lengths = torch.as_tensor(lengths)
-    lens = _as_ids("lengths", lengths, dims=1)
-    if lens.shape != (batch,):
-        raise ValueError(f"lengths must have shape (B,) = ({batch},), got {tuple(lens.shape)}")
-    bad = ((lens < 1) | (lens > n_frames)).nonzero()
-    if len(bad):
-        i = int(bad[0, 0])
-        raise ValueError(f"lengths[{i}] = {int(lens[i])} is outside [1, T] = [1, {n_frames}]")
-    return semantic, glob, lens
-
-
-def _as_ids(name: str, value: Any, *, dims: int) -> torch.Tensor:
-    tensor = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(
-            f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}"
-        )
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise ValueError(
-            f"{name} must have an integer dtype (int64, int32, ...), got {tensor.dtype}"
-        )
-    if tensor.dim() != dims:
-        raise ValueError(
-            f"{name} must be {dims}-D, got {tensor.dim()}-D with shape {tuple(tensor.shape)}"
-        )
-    return tensor.long()
-
-
-def _check_range(name: str, ids: torch.Tensor, vocab: int) -> None:
-    bad = ((ids < 0) | (ids >= vocab)).nonzero()
-    if len(bad):
-        row, pos = (int(v) for v in bad[0])
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise ValueError(
-            f"{name}[{row}, {pos}] = {int(ids[row, pos])} is out of range [0, {vocab}){more}"
-        )
+    return semantic, glob, check_lengths(lengths, batch, n_frames)
 
 
 def _random_init(model: BiCodecDecoder, gen: torch.Generator) -> None:
-    """Fill every weight from ``gen`` so that random audio is neither silent nor saturated.
-
-    Weights get std ``gain / sqrt(fan_in)`` (uniform), so activations keep their scale through
-    the stack; norms and Snake α get values near their trained ranges.
-    """
-
-    def uniform(t: torch.Tensor, low: float, high: float) -> None:
-        t.uniform_(low, high, generator=gen)
-
-    def fan_init(t: torch.Tensor, fan_in: float, gain: float = 1.0) -> None:
-        bound = gain * math.sqrt(3.0 / fan_in)
-        uniform(t, -bound, bound)
-
+    """Fill every weight from ``gen`` (``random_weights``), then give the blocks whose parts need
+    other scales their own: AdaLayerNorm near identity, ConvNeXt's γ and the residual branches
+    small, the output conv quiet."""
+    draw = WeightDraw(gen)
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, 1.0, generator=gen)
-            elif isinstance(module, nn.ConvTranspose1d):
-                in_ch, _, k = module.weight.shape
-                fan_init(module.weight, in_ch * k / module.stride[0])
-                uniform(module.bias, -0.05, 0.05)
-            elif isinstance(module, (nn.Conv1d, nn.Linear)):
-                fan_init(module.weight, module.weight[0].numel())
-                uniform(module.bias, -0.05, 0.05)
-            elif isinstance(module, nn.LayerNorm):
-                uniform(module.weight, 0.8, 1.2)
-                uniform(module.bias, -0.1, 0.1)
-            elif isinstance(module, Snake1d):
-                uniform(module.alpha, 0.5, 1.5)
-        # Second pass: blocks whose parts need other scales than the generic rule above.
+        init_common_layers(model, draw)
         for module in model.modules():
             if isinstance(module, AdaLayerNorm):  # scale(d) ~ 1, shift(d) ~ 0, as when trained
-                fan_init(module.scale.weight, module.scale.in_features, gain=0.1)
-                uniform(module.scale.bias, 0.8, 1.2)
-                fan_init(module.shift.weight, module.shift.in_features, gain=0.1)
+                draw.fan_in(module.scale.weight, module.scale.in_features, gain=0.1)
+                draw.uniform(module.scale.bias, 0.8, 1.2)
+                draw.fan_in(module.shift.weight, module.shift.in_features, gain=0.1)
             elif isinstance(module, ConvNeXtBlock):
-                uniform(module.gamma, 0.05, 0.2)
+                draw.uniform(module.gamma, 0.05, 0.2)
             elif isinstance(module, ResidualUnit):  # 12 stacked residuals: keep each branch small
                 conv1 = module.block[3]
-                fan_init(conv1.weight, conv1.in_channels, gain=RESIDUAL_GAIN)
+                draw.fan_in(conv1.weight, conv1.in_channels, gain=RESIDUAL_GAIN)
         out_conv = model.decoder.model[-2]
-        fan_init(out_conv.weight, out_conv.weight[0].numel(), gain=OUTPUT_GAIN)
+        draw.fan_in(out_conv.weight, out_conv.weight[0].numel(), gain=OUTPUT_GAIN)

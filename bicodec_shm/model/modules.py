@@ -1,4 +1,5 @@
-"""Building blocks shared by the prenet and the wave generator, and the per-item time mask.
+"""Building blocks shared by the prenet and the wave generators (BiCodec's and SNAC's), and the
+per-item time mask.
 
 Shapes: ``B`` batch, ``C`` channels, ``T`` frames at the block's own time resolution.
 """
@@ -163,3 +164,28 @@ class ConvNeXtBlock(nn.Module):
         y = self.dwconv(x).transpose(1, 2)  # (B, C, T) -> (B, T, C)
         y = self.pwconv2(self.act(self.pwconv1(self.norm(y, cond))))
         return x + (self.gamma * y).transpose(1, 2)  # (B, T, C) -> (B, C, T)
+
+
+class ResidualUnit(nn.Module):
+    """``x + conv1x1(snake(conv7_dilated(snake(x))))``, the DAC residual unit of BiCodec's and
+    SNAC's wave generators; names ``block.0`` ... ``block.3``.
+
+    Args:
+        dim: channels C.
+        dilation: dilation of the k=7 convolution (padding 3·dilation keeps T).
+        groups: groups of the k=7 convolution (SNAC's depthwise units: ``dim``).
+    """
+
+    def __init__(self, dim: int, dilation: int, groups: int = 1) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake1d(dim),
+            WNConv1d(dim, dim, kernel_size=7, dilation=dilation, padding=3 * dilation, groups=groups),
+            Snake1d(dim),
+            WNConv1d(dim, dim, kernel_size=1),
+        )
+
+    def forward(self, x: torch.Tensor, mask: TimeMask | None = None) -> torch.Tensor:
+        """(B, C, T) -> (B, C, T)"""
+        snake1, conv7, snake2, conv1 = self.block
+        return x + conv1(snake2(conv7(masked(snake1(x), mask))))

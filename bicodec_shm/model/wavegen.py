@@ -12,30 +12,7 @@ import torch
 from torch import nn
 
 from .config import WaveGeneratorConfig
-from .modules import Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
-
-
-class ResidualUnit(nn.Module):
-    """``x + conv1x1(snake(conv7_dilated(snake(x))))``; names ``block.0`` ... ``block.3``.
-
-    Args:
-        dim: channels C.
-        dilation: dilation of the k=7 convolution (padding 3·dilation keeps T).
-    """
-
-    def __init__(self, dim: int, dilation: int) -> None:
-        super().__init__()
-        self.block = nn.Sequential(
-            Snake1d(dim),
-            WNConv1d(dim, dim, kernel_size=7, dilation=dilation, padding=3 * dilation),
-            Snake1d(dim),
-            WNConv1d(dim, dim, kernel_size=1),
-        )
-
-    def forward(self, x: torch.Tensor, mask: TimeMask | None = None) -> torch.Tensor:
-        """(B, C, T) -> (B, C, T)"""
-        snake1, conv7, snake2, conv1 = self.block
-        return x + conv1(snake2(conv7(masked(snake1(x), mask))))
+from .modules import ResidualUnit, Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
 
 
 class UpsampleBlock(nn.Module):

@@ -30,11 +30,7 @@ SAFETENSORS_FILE = "model.safetensors"
 def find_folder(path: str | os.PathLike[str]) -> Path:
     """The folder holding ``config.json`` and the weights: ``path`` itself, or its parent when
     ``path`` is one of its files."""
-    folder = Path(path)
-    if not folder.exists():
-        raise CheckpointError(f"{folder}: no such file or directory")
-    if folder.is_file():
-        folder = folder.parent
+    folder = shared.existing_folder(path)
     missing = []
     if not (folder / CONFIG_FILE).is_file():
         missing.append(str(folder / CONFIG_FILE))
@@ -50,14 +46,7 @@ def find_folder(path: str | os.PathLike[str]) -> Path:
 
 def read_config(file: Path) -> SNACConfig:
     """Parse ``config.json``; raises CheckpointError on bad JSON or invalid fields."""
-    try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
-    try:
-        return SNACConfig.from_dict(doc)
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: {exc}") from exc
+    return shared.read_config_file(file, json.loads, "JSON", (json.JSONDecodeError,), SNACConfig.from_dict)
 
 
 def read_state_dict(folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -80,7 +69,6 @@ def read_state_dict(folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
 
 def write_state_dict(file: Path, model: nn.Module, form: shared.Form = "parametrizations") -> int:
     """Write ``model``'s weights with snac's key names; returns the number of tensors written."""
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    tensors = shared.convert_state_dict(state, shared.weight_norm_prefixes(model), form)
+    tensors = shared.export_state_dict(model, form)
     torch.save(tensors, file)
     return len(tensors)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ...codecs.layout import CodecLayout
+from ..config_values import as_bool, as_int, as_ints, from_preset, plain, require_positive
 
 DIM_HEAD = 64  # LocalMHA's head width in snac; heads = decoder_dim // 64
 
@@ -115,41 +116,24 @@ class SNACConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``config.json`` mapping (lists, not tuples), readable by ``snac.SNAC(**mapping)``."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def preset(cls, name: str) -> SNACConfig:
         """A named configuration: ``snac-24khz``, ``snac-32khz``, ``snac-44khz`` (the published
         sizes), ``tiny-24khz``, ``tiny-32khz``, ``tiny-44khz`` (same token layout, small widths,
         for tests), ``tiny`` (= ``tiny-24khz``)."""
-        try:
-            return cls.from_dict(PRESETS[name])
-        except KeyError:
-            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
+        return from_preset(cls, PRESETS, name)
 
 
 def _convert(name: str, default: Any, value: Any) -> Any:
     if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"'{name}' must be true or false, got {value!r}")
-        return value
+        return as_bool(name, value)
     if isinstance(default, tuple):
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ValueError(f"'{name}' must be a list of integers, got {value!r}")
-        return tuple(_as_int(name, v) for v in value)
+        return as_ints(name, value)
     if value is None and name in ("latent_dim", "attn_window_size"):
         return None
-    return _as_int(name, value)
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"'{name}' must be an integer, got {value!r}")
-    return value
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+    return as_int(name, value)
 
 
 def _check_consistent(cfg: SNACConfig) -> None:
@@ -161,9 +145,7 @@ def _check_consistent(cfg: SNACConfig) -> None:
         "codebook_dim": cfg.codebook_dim,
         "latent": cfg.latent,
     }
-    bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
-    if bad:
-        raise ValueError(f"these must be >= 1: {', '.join(bad)}")
+    require_positive(positive)
     if not cfg.decoder_rates or min(cfg.decoder_rates) < 1:
         raise ValueError(f"decoder_rates must be non-empty, each >= 1: {list(cfg.decoder_rates)}")
     strides = cfg.vq_strides

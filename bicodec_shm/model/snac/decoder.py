@@ -7,7 +7,6 @@ checkpoint's keys.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,14 +16,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..modules import Snake1d, TimeMask
+from ..config_values import as_config
+from ..inputs import IdsLike, as_ids, check_lengths, check_range
+from ..modules import ResidualUnit, TimeMask
 from ..precision import apply_dtype
+from ..random_weights import WeightDraw, init_common_layers, seeded
 from . import checkpoint
 from .config import SNACConfig
-from .layers import BatchContext, LocalMHA, NoiseBlock, ResidualDequantizer, ResidualUnit, WaveDecoder
+from .layers import BatchContext, LocalMHA, NoiseBlock, ResidualDequantizer, WaveDecoder
 from .noise import batch_noise, check_seeds
-
-IdsLike = torch.Tensor | np.ndarray
 
 # Random-init gains, measured with seed 0 on 4 frames: RMS 0.16 (24 kHz) and 0.18-0.21 (32 kHz),
 # peaks 0.60-0.69, noise ~1/3 of the RMS; with an output gain of 0.2, tanh saturates (RMS 0.5).
@@ -81,10 +81,8 @@ class SNACDecoder(nn.Module):
         Raises:
             ValueError: an unknown preset or dtype, or an inconsistent config.
         """
-        model = cls(_as_config(cfg))
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-        _random_init(model, torch.Generator().manual_seed(seed))
+        model = cls(as_config(cfg, SNACConfig))
+        _random_init(model, seeded(seed))
         return apply_dtype(model, dtype).eval()
 
     @classmethod
@@ -190,16 +188,6 @@ class SNACDecoder(nn.Module):
         return audio
 
 
-def _as_config(cfg: SNACConfig | Mapping[str, Any] | str) -> SNACConfig:
-    if isinstance(cfg, SNACConfig):
-        return cfg
-    if isinstance(cfg, str):
-        return SNACConfig.preset(cfg)
-    if isinstance(cfg, Mapping):
-        return SNACConfig.from_dict(cfg)
-    raise TypeError(f"cfg must be a SNACConfig, a mapping or a preset name, got {type(cfg)}")
-
-
 def _check_inputs(
     cfg: SNACConfig, codes: Sequence[IdsLike], lengths: IdsLike | Sequence[int] | None
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -210,7 +198,7 @@ def _check_inputs(
     if len(codes) != cfg.n_levels:
         rates = ":".join(map(str, cfg.level_rates))
         raise ValueError(f"{name} takes {cfg.n_levels} code levels at rates {rates}, got {len(codes)}")
-    levels = [_as_ids(f"codes[{i}]", c, dims=2) for i, c in enumerate(codes)]
+    levels = [as_ids(f"codes[{i}]", c, dims=2) for i, c in enumerate(codes)]
     batch, frames = levels[0].shape
     if batch == 0 or frames == 0:
         raise ValueError(f"codes[0] has shape {tuple(levels[0].shape)}; need B >= 1 and T >= 1")
@@ -221,25 +209,10 @@ def _check_inputs(
                 f"T = {frames} frames of codes[0] ({name}: rates "
                 f"{':'.join(map(str, cfg.level_rates))}), got {tuple(level.shape)}"
             )
-        bad = ((level < 0) | (level >= cfg.codebook_size)).nonzero()
-        if len(bad):
-            row, pos = (int(v) for v in bad[0])
-            raise ValueError(
-                f"codes[{i}][{row}, {pos}] = {int(level[row, pos])} is out of range "
-                f"[0, {cfg.codebook_size})"
-            )
+        check_range(f"codes[{i}]", level, cfg.codebook_size)
     if lengths is None:
         return levels, None
-    if not isinstance(lengths, (torch.Tensor, np.ndarray)):
-        lengths = torch.as_tensor(lengths)
-    lens = _as_ids("lengths", lengths, dims=1)
-    if lens.shape != (batch,):
-        raise ValueError(f"lengths must have shape (B,) = ({batch},), got {tuple(lens.shape)}")
-    bad = ((lens < 1) | (lens > frames)).nonzero()
-    if len(bad):
-        i = int(bad[0, 0])
-        raise ValueError(f"lengths[{i}] = {int(lens[i])} is outside [1, T] = [1, {frames}]")
-    return levels, lens.cpu()
+    return levels, check_lengths(lengths, batch, frames).cpu()
 
 
 def _check_starts(start_frames: Sequence[int] | None, batch: int) -> list[int]:
@@ -251,52 +224,19 @@ def _check_starts(start_frames: Sequence[int] | None, batch: int) -> list[int]:
     return starts
 
 
-def _as_ids(name: str, value: Any, *, dims: int) -> torch.Tensor:
-    tensor = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise ValueError(f"{name} must have an integer dtype (int64, int32, ...), got {tensor.dtype}")
-    if tensor.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D, got {tensor.dim()}-D with shape {tuple(tensor.shape)}")
-    return tensor.long()
-
-
 def _random_init(model: SNACDecoder, gen: torch.Generator) -> None:
-    """Fill every weight from ``gen`` so that random audio is neither silent nor saturated:
-    std ``gain / sqrt(fan_in)`` (uniform), norms near 1, Snake α in [0.5, 1.5]."""
-
-    def uniform(t: torch.Tensor, low: float, high: float) -> None:
-        t.uniform_(low, high, generator=gen)
-
-    def fan_init(t: torch.Tensor, fan_in: float, gain: float = 1.0) -> None:
-        bound = gain * math.sqrt(3.0 / fan_in)
-        uniform(t, -bound, bound)
-
+    """Fill every weight from ``gen`` (``random_weights``), then keep the residual branches, the
+    noise and the attention output small and the output conv quiet."""
+    draw = WeightDraw(gen)
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, 1.0, generator=gen)
-            elif isinstance(module, nn.ConvTranspose1d):
-                in_ch, _, k = module.weight.shape
-                fan_init(module.weight, in_ch * k / module.stride[0])
-            elif isinstance(module, (nn.Conv1d, nn.Linear)):
-                fan_init(module.weight, module.weight[0].numel())
-            elif isinstance(module, nn.LayerNorm):
-                uniform(module.weight, 0.8, 1.2)
-                uniform(module.bias, -0.1, 0.1)
-            elif isinstance(module, Snake1d):
-                uniform(module.alpha, 0.5, 1.5)
-            if isinstance(module, (nn.Conv1d, nn.ConvTranspose1d)) and module.bias is not None:
-                uniform(module.bias, -0.05, 0.05)
-        # Second pass: parts that need other scales than the generic rule above.
+        init_common_layers(model, draw)
         for module in model.modules():
             if isinstance(module, ResidualUnit):  # 12 stacked residuals: keep each branch small
                 conv1 = module.block[3]
-                fan_init(conv1.weight, conv1.in_channels, gain=RESIDUAL_GAIN)
+                draw.fan_in(conv1.weight, conv1.in_channels, gain=RESIDUAL_GAIN)
             elif isinstance(module, NoiseBlock):
-                fan_init(module.linear.weight, module.linear.in_channels, gain=NOISE_GAIN)
+                draw.fan_in(module.linear.weight, module.linear.in_channels, gain=NOISE_GAIN)
             elif isinstance(module, LocalMHA):
-                fan_init(module.to_out.weight, module.to_out.in_features, gain=RESIDUAL_GAIN)
+                draw.fan_in(module.to_out.weight, module.to_out.in_features, gain=RESIDUAL_GAIN)
         out_conv = model.decoder.model[-2]
-        fan_init(out_conv.weight, out_conv.weight[0].numel(), gain=OUTPUT_GAIN)
+        draw.fan_in(out_conv.weight, out_conv.weight[0].numel(), gain=OUTPUT_GAIN)

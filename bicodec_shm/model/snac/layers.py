@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..modules import Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
+from ..modules import ResidualUnit, Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
 from .config import DIM_HEAD, SNACConfig
 
 
@@ -184,24 +184,6 @@ class NoiseBlock(nn.Module):
     def forward(self, x: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """x (B, C, T), noise (B, 1, T) or None -> (B, C, T)"""
         return x if noise is None else x + noise * self.linear(x)
-
-
-class ResidualUnit(nn.Module):
-    """``x + conv1x1(snake(conv7_dilated(snake(x))))``, the k=7 conv grouped (depthwise)."""
-
-    def __init__(self, dim: int, dilation: int, groups: int) -> None:
-        super().__init__()
-        self.block = nn.Sequential(
-            Snake1d(dim),
-            WNConv1d(dim, dim, kernel_size=7, dilation=dilation, padding=3 * dilation, groups=groups),
-            Snake1d(dim),
-            WNConv1d(dim, dim, kernel_size=1),
-        )
-
-    def forward(self, x: torch.Tensor, mask: TimeMask | None) -> torch.Tensor:
-        """(B, C, T) -> (B, C, T)"""
-        snake1, conv7, snake2, conv1 = self.block
-        return x + conv1(snake2(conv7(masked(snake1(x), mask))))
 
 
 class DecoderBlock(nn.Module):

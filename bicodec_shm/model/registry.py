@@ -1,0 +1,28 @@
+"""Which decoder class decodes each codec: the one place a codec's model is registered.
+
+``serve`` and ``bench`` build their models through :func:`decoder_class`; a third codec is its
+layout (``codecs.layout``), its model module with a ``codec_adapter()`` (``adapters.py``), and one
+line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..codecs.layout import get_layout
+
+# codec -> (module, class); imported on demand, so that naming a codec costs no model import.
+DECODERS = {
+    "bicodec": ("bicodec_shm.model.decoder", "BiCodecDecoder"),
+    "snac-24khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
+    "snac-32khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
+    "snac-44khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
+}
+
+
+def decoder_class(codec: str) -> type:
+    """The decoder class of ``codec`` (``from_config``, ``from_pretrained``); raises ValueError
+    for an unknown codec, naming the known ones."""
+    get_layout(codec)  # an unknown codec: the layout's own message
+    module, name = DECODERS[codec]
+    return getattr(importlib.import_module(module), name)

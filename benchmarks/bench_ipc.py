@@ -12,7 +12,10 @@ machine slows every transport alike):
    it can be faster.
 2. ``bicodec-shm``: a ``DecoderClient.decode()`` call in this process (which never imports
    torch) against a ``DecoderServer`` in a spawned process whose decoder is a no-op returning
-   ``torch.zeros(B, 320*T)``. What remains is the package's own overhead.
+   zeros of shape (B, 320*T) (a view of one tensor made once, so that not even an allocation
+   is the decoder's). What remains is the package's own overhead; on the CPU that includes
+   converting the float32 output to int16 (clip, scale, truncate), which a CUDA server does on
+   the device.
 3. ``multiprocessing.Pipe``: the same payloads as numpy arrays, pickled through a Pipe to an
    echo process that answers with a zero int16 array of 16 000 samples. A bare ``recv()``, no
    ``poll(timeout)`` before it: the fast path a user would pick (a dead peer shows as EOFError).
@@ -55,7 +58,7 @@ Usage::
     python benchmarks/bench_ipc.py                 # 2000 round trips per transport
     python benchmarks/bench_ipc.py --quick         # a few seconds, for a smoke check
     python benchmarks/bench_ipc.py --clients 4,8,16,32   # more concurrent rows
-    python benchmarks/bench_ipc.py --profile out   # also cProfile a separate bicodec-shm run
+    python benchmarks/bench_ipc.py --profile out   # also cProfile separate runs at batch 1 and 16
 
 Results are printed as a table and written as JSON (default ``benchmarks/out/bench_ipc.json``).
 """
@@ -119,6 +122,7 @@ TARGET_QUEUE_SPEEDUP = 3.0  # the fastest Queue's median >= 3 x bicodec-shm's, a
 # Server CPU per request (us) at each batch size the targets name: the rows of 1 and 16
 # clients, which every run measures.
 TARGET_SERVER_CPU_US = {1: 30.0, 16: 20.0}
+TARGET_SERVER_BATCH = max(TARGET_SERVER_CPU_US)  # the larger batch of the targets
 
 FLOOR = "semaphore floor"
 SHM = "bicodec-shm"
@@ -151,19 +155,28 @@ def _child_setup(on_orphan: Callable[[], None] | None = None) -> None:
 
 
 class _NoopDecoder:
-    """A decoder that costs nothing: (B, T) tokens -> (B, 320·T) zeros on the CPU."""
+    """A decoder that costs nothing: (B, T) tokens -> (B, 320·T) zeros on the CPU.
+
+    The zeros are a view of one tensor made once (grown when a larger batch comes): a fresh
+    ``torch.zeros`` per batch (1 MB at batch 16) cost ~12 us per request here, which is the
+    decoder's allocation, not the server's overhead. The server never writes into a decoder's
+    output (lanes.py converts into buffers of its own), so sharing it is safe.
+    """
 
     device = "cpu"
 
     def __init__(self) -> None:
         import torch
 
-        self._torch = torch
+        self._zeros = torch.zeros(SERVER_MAX_BATCH, N_SAMPLES)
 
     def detokenize(self, semantic_ids: Any, global_ids: Any, lengths: Any) -> Any:
         """(B, T) long, (B, 32) long, (B,) long -> (B, 320·T) float32 zeros."""
         b, t = semantic_ids.shape
-        return self._torch.zeros(b, HOP * t)
+        if b > self._zeros.shape[0] or HOP * t > self._zeros.shape[1]:
+            self._zeros = self._zeros.new_zeros(max(b, self._zeros.shape[0]),
+                                                max(HOP * t, self._zeros.shape[1]))  # fmt: skip
+        return self._zeros[:b, : HOP * t]
 
 
 def _serve_noop(name: str, slots: int, max_batch: int, profile_path: str | None,
@@ -181,7 +194,10 @@ def _serve_noop(name: str, slots: int, max_batch: int, profile_path: str | None,
     if profile_path is None:
         server.serve_forever()
         return
-    profiler = cProfile.Profile()
+    # CPU time of the serving thread (the one lane), not wall time: a wall-clock profile
+    # charges the server for the time it waits for a core, e.g. in the sem_post that wakes a
+    # client, which the server-CPU rows do not count.
+    profiler = cProfile.Profile(time.thread_time_ns, 1e-9)
     profiler.enable()
     try:
         server.serve_forever()
@@ -577,13 +593,15 @@ def bench_all(transports: tuple[str, ...] = TRANSPORTS, *, iterations: int, warm
 
 
 def bench_concurrent(clients: int, *, iterations: int, warmup: int,
-                     wait_ms: float = CONCURRENT_WAIT_MS) -> dict[str, Any]:  # fmt: skip
+                     wait_ms: float = CONCURRENT_WAIT_MS,
+                     profile_path: str | None = None) -> dict[str, Any]:  # fmt: skip
     """``clients`` processes doing synchronous round trips against one no-op server whose
     ``max_batch`` is ``clients``; ``iterations`` round trips in all, shared out.
 
     Returns the samples of every client (seconds), the wall time of the timed part, the
     server's CPU seconds over it (schedstat, all threads), the clients' CPU seconds (summed),
     the deltas of the server's counters, and whether any client imported torch.
+    ``profile_path``: cProfile the server (CPU time of its lane) into this file.
     """
     if clients < 1:
         raise ValueError(f"clients must be >= 1, got {clients}")
@@ -591,7 +609,7 @@ def bench_concurrent(clients: int, *, iterations: int, warmup: int,
     name = random_name("bcshm-bench")
     per_client = max(1, iterations // clients)
     server = ctx.Process(target=_serve_noop, name="bench-decoder-server", daemon=True,
-                         args=(name, max(SERVER_SLOTS, clients), clients, None, wait_ms))  # fmt: skip
+                         args=(name, max(SERVER_SLOTS, clients), clients, profile_path, wait_ms))  # fmt: skip
     start, results = ctx.Event(), ctx.Queue()
     procs: list[mp.process.BaseProcess] = []
     out: dict[str, Any] = {"clients": clients, "per_client": per_client, "samples": [],
@@ -631,6 +649,7 @@ def bench_concurrent(clients: int, *, iterations: int, warmup: int,
         after, cpu1 = _server_counters(name), _children_cpu([server])
         out["server_cpu_s"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         out["server"] = {k: after[k] - before.get(k, 0) for k in after}
+        out["server_requests_total"] = after.get("requests", 0)  # warm-up included
     finally:
         for proc in procs:
             _stop_child(proc)
@@ -868,26 +887,44 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def profile_bicodec_shm(prefix: str, *, iterations: int, warmup: int, top: int = 20) -> str:
-    """cProfile both sides of ``iterations`` bicodec-shm round trips; returns a text report.
+def profile_bicodec_shm(prefix: str, *, iterations: int, warmup: int, top: int = 25,
+                        clients: int = TARGET_SERVER_BATCH) -> str:  # fmt: skip
+    """cProfile both sides of ``iterations`` bicodec-shm round trips at batch 1, and the server
+    of a ``clients``-client row (batch ``clients``); returns a text report.
 
-    Writes ``PREFIX.client.prof`` and ``PREFIX.server.prof`` (open with ``python -m pstats``).
+    Writes ``PREFIX.client.prof``, ``PREFIX.server.prof`` and ``PREFIX.server{clients}.prof``
+    (open with ``python -m pstats``). The servers' profiles count the CPU time of their lane
+    (``time.thread_time``), over their whole life (warm-up included); the report gives the
+    requests each served, to read the totals per request.
     """
     client_path, server_path = f"{prefix}.client.prof", f"{prefix}.server.prof"
+    batch_path = f"{prefix}.server{clients}.prof"
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(server_path)
+    for path in (server_path, batch_path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     requests = make_requests()
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.thread_time_ns, 1e-9)
+    served = 0
     with bicodec_shm_peer(mp.get_context("spawn"), profile_path=server_path) as peer:
         _timed(peer.roundtrip, requests, 0, warmup, [])
         profiler.enable()
         _timed(peer.roundtrip, requests, warmup, iterations, [])
         profiler.disable()
+        assert peer.counters is not None
+        served = peer.counters().get("requests", 0)
     profiler.dump_stats(client_path)
+    row = bench_concurrent(clients, iterations=iterations, warmup=warmup, profile_path=batch_path)
+    summary = summarize_concurrent(row)
     report = io.StringIO()
-    for label, path in (("client", client_path), ("server", server_path)):
-        report.write(f"\n== {label} ({path}), {iterations} round trips, sorted by tottime ==\n")
+    for label, path, what in (
+        ("client", client_path, f"{iterations} round trips"),
+        ("server, 1 client", server_path, f"{served} requests served in batches of 1"),
+        (f"server, {clients} clients", batch_path,
+         f"{row['server_requests_total']} requests served, avg batch "
+         f"{summary['avg_batch_size'] or 0:.1f} in the timed part"),
+    ):  # fmt: skip
+        report.write(f"\n== {label} ({path}), {what}; CPU time, sorted by tottime ==\n")
         if os.path.exists(path):
             pstats.Stats(path, stream=report).sort_stats("tottime").print_stats(top)
         else:
@@ -929,8 +966,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         metavar="PREFIX",
-        help="afterwards, cProfile a separate bicodec-shm run into "
-        "PREFIX.client.prof and PREFIX.server.prof",
+        help="afterwards, cProfile separate bicodec-shm runs (CPU time) into PREFIX.client.prof, "
+        f"PREFIX.server.prof (1 client) and PREFIX.server{TARGET_SERVER_BATCH}.prof "
+        f"({TARGET_SERVER_BATCH} clients)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)

@@ -59,6 +59,9 @@ def _copy_headers(seg: Segment, slots: np.ndarray) -> np.ndarray:
     return table[slots].view(SLOT_DT).reshape(len(slots))
 
 
+_ROWS = np.arange(256)  # row indices, made once
+
+
 @dataclass
 class Requests:
     """Validated headers of confirmed READY slots (private copies); arrays of B rows."""
@@ -75,10 +78,15 @@ class Requests:
     noise_seeds: np.ndarray | None = None
     flags: np.ndarray | None = None
 
-    def take(self, index: np.ndarray | list[int]) -> Requests:
-        """The rows ``index`` as a new ``Requests``."""
-        if len(self.slots) == 1 and len(index) == 1:
+    def take(self, index: np.ndarray | list[int] | slice) -> Requests:
+        """The rows ``index`` as a new ``Requests`` (``self`` if that is every row in order:
+        nothing here is ever written in place)."""
+        n = len(self.slots)
+        if n == 1 and len(index) == 1:  # (split passes slices, and only for 2 rows or more)
             return self
+        if (isinstance(index, np.ndarray) and index.dtype.kind == "i" and len(index) == n
+                and n <= len(_ROWS) and not (index - _ROWS[:n]).any()):  # fmt: skip
+            return self  # e.g. plan_batch's order of rows of one length: no 9 copies
         return Requests(*(None if a is None else a[index] for a in (
             self.slots, self.lengths, self.ids, self.dtypes, self.notify, self.submitted_ns,
             self.seen_ns, self.noise_seeds, self.flags)))  # fmt: skip

@@ -195,3 +195,15 @@ def test_gather_range_check_at_the_edges_in_both_paths(seg, where, value, ok):
             assert [(s, st) for s, st, _ in failures] == [(2, status)]
             assert f"{value} at position" in failures[0][2]
             assert batch is None if len(slots) == 1 else batch.slots.tolist() == [0]
+
+
+def test_requests_take_in_order_is_itself_and_any_other_order_is_a_copy(seg):
+    for slot in (0, 2, 4):
+        _ready(seg, slot, [1, 2, 3][: slot // 2 + 1], seq=slot + 1)
+    req, _ = check_headers(seg, np.array([0, 2, 4]), _seen(np.array([0, 2, 4])), n_bells=6)
+    assert req.take(np.arange(3)) is req
+    other = req.take(np.array([2, 0, 1]))
+    assert other.slots.tolist() == [4, 0, 2] and other.ids[:, 2].tolist() == [5, 1, 3]
+    assert req.take(np.array([True, False, True])).slots.tolist() == [0, 4]  # a mask: a copy
+    assert req.take(slice(1, None)).slots.tolist() == [2, 4]  # Batch.split's halves
+    assert req.take([0, 1]).slots.tolist() == [0, 2]

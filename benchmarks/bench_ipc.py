@@ -1001,7 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
     # every child and /dev/shm object is cleaned up.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        started = time.perf_counter()
+        started, load_start = time.perf_counter(), os.getloadavg()
+        machine = environment()  # its loadavg: at the start, like load_start
         raw = bench_all(args.transports, iterations=args.iterations, warmup=args.warmup,
                         rounds=args.rounds, progress=not args.no_progress)  # fmt: skip
         concurrent_raw = [
@@ -1017,7 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{N_TOKENS} int32 tokens + {N_GLOBAL} int32 globals in, {N_SAMPLES} int16 samples "
               f"out (the floor carries no payload); {args.iterations} round trips per transport "
               f"in {min(args.rounds, args.iterations)} interleaved rounds after {args.warmup} "
-              f"warm-up; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}\n")  # fmt: skip
+              f"warm-up; {os.cpu_count()} CPUs, load average (1 min) {load_start[0]:.2f} at the "
+              f"start, {os.getloadavg()[0]:.2f} at the end\n")  # fmt: skip
         print(format_table(stats, comparison, breakdown, concurrent))
         exitcodes = {**{t: r["exitcodes"] for t, r in raw.items()},
                      **{f"{r['clients']} clients": r["exitcodes"] for r in concurrent_raw}}  # fmt: skip
@@ -1034,7 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
                        "server_slots": SERVER_SLOTS, "server_max_batch": SERVER_MAX_BATCH,
                        "clients": list(args.clients),
                        "concurrent_wait_ms": args.concurrent_wait_ms},
-            "environment": environment(),
+            "environment": machine,
+            "loadavg_start": list(load_start),
+            "loadavg_end": list(os.getloadavg()),
             "elapsed_s": elapsed,
             "results": stats,
             "comparison": comparison,

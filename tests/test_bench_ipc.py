@@ -77,6 +77,8 @@ def test_bench_ipc_runs_end_to_end(tmp_path):
     assert len(report["child_exitcodes"]["16 clients"]) == 17  # 16 clients and their server
     assert all(code == 0 for codes in report["child_exitcodes"].values() for code in codes)
     assert report["client_imported_torch"] is False
+    assert len(report["loadavg_start"]) == len(report["loadavg_end"]) == 3
+    assert "load average (1 min)" in proc.stdout
     assert report["shm_names"]
     for name in report["shm_names"]:
         assert leftover_objects(name) == []

@@ -24,8 +24,8 @@ machine slows every transport alike):
    queue if the echo child exits, so that a dead child ends the run instead of hanging it; it
    costs nothing per round trip.
 5. ``multiprocessing.Queue get(timeout)``: the same Queues read with ``get(timeout=...)``, which
-   polls the pipe first through ``multiprocessing.connection.wait`` (a selector per call): about
-   100 us more per round trip. Shown because it is what a careful user writes, but the
+   polls the pipe first through ``multiprocessing.connection.wait`` (a selector per call): tens of
+   microseconds more per round trip (~40 us on a 2-core VM). Shown because it is what a careful user writes, but the
    comparison is always against the faster of the two Queue rows.
 
 Then the server's CPU per request, with 1 and 16 client processes in every run (``--clients``
@@ -114,7 +114,8 @@ NOOP_MAX_BATCH_TOKENS = DEFAULT_CUDA_MAX_BATCH_TOKENS
 # A no-op batch is ready at once, so with no wait the server would take whatever has arrived;
 # waiting (asleep on the doorbell) until max_batch = clients requests are in makes the batch
 # size the row's clients. The wait ends as soon as the batch is full; it runs out only when a
-# client is descheduled (16 client processes on 2 busy cores: 5 ms gave batches of ~9).
+# client is descheduled. (The batches of ~9-10 that 16 clients got before came from the CPU's
+# padded-token budget, 512 / 50 = 10 rows, not from this wait: see NOOP_MAX_BATCH_TOKENS.)
 CONCURRENT_WAIT_MS = 20.0
 
 TARGET_FLOOR_RATIO = 1.5  # bicodec-shm median <= 1.5 x the semaphore floor's
@@ -418,7 +419,7 @@ def queue_peer(ctx: mp.context.BaseContext, *, total: int = 0,
     ``timeout`` None: a bare ``get()``, the fast path (a user who picks a Queue picks this).
     A Queue never sees its peer die, so a watcher thread puts a marker into the reply queue
     when the child exits: a dead child then ends the run instead of hanging it. Otherwise
-    ``get(timeout=timeout)``, which polls the pipe before every read (~100 us more).
+    ``get(timeout=timeout)``, which polls the pipe before every read (tens of us more).
     """
     del total
     requests, replies = ctx.Queue(), ctx.Queue()

@@ -24,9 +24,9 @@ machine slows every transport alike):
    queue if the echo child exits, so that a dead child ends the run instead of hanging it; it
    costs nothing per round trip.
 5. ``multiprocessing.Queue get(timeout)``: the same Queues read with ``get(timeout=...)``, which
-   polls the pipe first through ``multiprocessing.connection.wait`` (a selector per call): tens of
-   microseconds more per round trip (~40 us on a 2-core VM). Shown because it is what a careful user writes, but the
-   comparison is always against the faster of the two Queue rows.
+   polls the pipe first through ``multiprocessing.connection.wait`` (a selector per call): tens
+   of microseconds more per round trip (~40 us on a 2-core VM). Shown because it is what a
+   careful user writes, but the comparison is always against the faster of the two Queue rows.
 
 Then the server's CPU per request, with 1 and 16 client processes in every run (``--clients``
 adds more rows; default 1,4,16): K client processes, each doing synchronous round trips, share

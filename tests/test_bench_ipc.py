@@ -42,8 +42,9 @@ def test_bench_ipc_runs_end_to_end(tmp_path):
                  "x multiprocessing.Pipe's (", "plainly:"):  # fmt: skip
         assert text in proc.stdout, text
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"semaphore floor", "bicodec-shm", "multiprocessing.Pipe",
-                                      "multiprocessing.Queue", "multiprocessing.Queue get(timeout)"}  # fmt: skip
+    assert set(report["results"]) == {
+        "semaphore floor", "bicodec-shm", "multiprocessing.Pipe", "multiprocessing.Queue",
+        "multiprocessing.Queue get(timeout)"}  # fmt: skip
     for stats in report["results"].values():
         assert stats["n"] == 20
         assert 0 < stats["p10_us"] <= stats["median_us"] <= stats["p90_us"]

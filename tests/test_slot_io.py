@@ -154,8 +154,8 @@ def test_check_headers_copies_every_field_it_returns(seg):
         _ready(seg, slot, [1, 2], seq=slot)
     for slots in (np.array([1]), np.array([1, 3])):
         req, _ = check_headers(seg, slots, _seen(slots), n_bells=6)
-        before = {k: getattr(req, k).tolist() for k in ("lengths", "ids", "dtypes", "notify",
-                                                          "submitted_ns", "noise_seeds", "flags")}  # fmt: skip
+        fields = ("lengths", "ids", "dtypes", "notify", "submitted_ns", "noise_seeds", "flags")
+        before = {k: getattr(req, k).tolist() for k in fields}
         f = seg.field
         for k, v in dict(n_tokens=7, request_seq=999, handle_id=5, dtype=1, notify=2,
                          t_submit_ns=1, noise_seed=3, flags=1).items():  # fmt: skip

@@ -14,6 +14,7 @@ level ``i`` are (B, r_i·T), ``r_i`` its codes per frame (``seg.codec``).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, fields
 
@@ -39,6 +40,27 @@ log = logging.getLogger("bicodec_shm.server")
 # nor, being the batch order's key otherwise, let one client jump every queue.
 TRUSTED_QUEUE_NS = 3600 * 10**9
 
+# The ufuncs themselves: ndarray.max() and np.clip() go through Python wrappers that cost as much
+# again as the reduction or the clipping of a few rows.
+_MAX = np.maximum.reduce
+_clip = getattr(np, "_core", getattr(np, "core", None)).umath.clip
+
+# A slot header as whole 64-bit words (SLOT_DT's itemsize is a multiple of 8): copying rows of
+# a plain array is about twice as fast as a fancy index over the structured dtype, which copies
+# field by field.
+_WORDS = SLOT_DT.itemsize // 8
+assert SLOT_DT.itemsize % 8 == 0, "slot headers are copied as 64-bit words"
+_ID_OFFSET = SLOT_DT.fields[REQUEST_ID[0]][1]  # the request identity: 3 contiguous u8 words
+
+
+def _copy_headers(seg: Segment, slots: np.ndarray) -> np.ndarray:
+    """A private (B,) SLOT_DT copy of the headers of ``slots``."""
+    table = seg.slots.view(np.uint64).reshape(len(seg.slots), _WORDS)
+    return table[slots].view(SLOT_DT).reshape(len(slots))
+
+
+_ROWS = np.arange(256)  # row indices, made once
+
 
 @dataclass
 class Requests:
@@ -57,10 +79,15 @@ class Requests:
     flags: np.ndarray | None = None
     start_frames: np.ndarray | None = None
 
-    def take(self, index: np.ndarray | list[int]) -> Requests:
-        """The rows ``index`` as a new ``Requests``."""
-        if len(self.slots) == 1 and len(index) == 1:
+    def take(self, index: np.ndarray | list[int] | slice) -> Requests:
+        """The rows ``index`` as a new ``Requests`` (``self`` if that is every row in order:
+        nothing here is ever written in place)."""
+        n = len(self.slots)
+        if n == 1 and len(index) == 1:  # (split passes slices, and only for 2 rows or more)
             return self
+        if (isinstance(index, np.ndarray) and index.dtype.kind == "i" and len(index) == n
+                and n <= len(_ROWS) and not (index - _ROWS[:n]).any()):  # fmt: skip
+            return self  # e.g. plan_batch's order of rows of one length: no 9 copies
         return Requests(*(None if a is None else a[index] for a in self._columns()))
 
     def __len__(self) -> int:
@@ -138,46 +165,56 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
     """
     if len(slots) == 1:
         return _check_one(seg, int(slots[0]), int(seen_ns[0]), n_bells=n_bells)
-    rows = seg.slots[slots]  # a private copy of each header: later client writes cannot reach it
-    n = rows["n_tokens"].astype(np.int64)
-    notify = rows["notify"]
+    rows = _copy_headers(seg, slots)  # private: later client writes cannot reach it
+    n_tokens, notify = rows["n_tokens"], rows["notify"]
     # req.I was posted but the slot is not READY: no request of a well-behaved client (they
     # post only after READY, and claims and reaps drain stale posts). Ignore it rather than
     # write a result into a slot its owner may be filling right now.
     stray = rows["state"] != READY
     bad = (
-        (n < 1) | (n > seg.layout.max_tokens)
+        # n_tokens outside 1..max_tokens: n - 1 wraps to 2**32 - 1 for 0 (uint32)
+        ((n_tokens - np.uint32(1)) >= seg.layout.max_tokens)
         | (rows["n_global"] != seg.codec.n_global)
         | (rows["dtype"] > 1)  # OutputDtype: 0 int16, 1 float32
         | (rows["req_generation"] != rows["generation"])
-        | ((notify != NO_BELL) & (notify >= n_bells))
+        # a bell out of range; NO_BELL (2**32 - 1) + 1 wraps to 0 (uint32)
+        | ((notify + np.uint32(1)) > n_bells)
     )  # fmt: skip
+    seen = np.asarray(seen_ns, np.int64)
+    slots = np.asarray(slots, np.int64)
     failures: list[Failure] = []
-    if bad.any():  # the rare path: name the first problem of each bad row
+    if (stray | bad).any():  # the rare path: drop strays, name the first problem of each bad row
         bad &= ~stray
         failures = [(int(slots[j]), *_problem(rows[j], seg.layout.max_tokens, n_bells, seg.codec.n_global))
                     for j in np.flatnonzero(bad).tolist()]  # fmt: skip
-        stray |= bad
-    ok = ~stray
-    seen = np.asarray(seen_ns, np.int64)[ok]
+        ok = ~(stray | bad)
+        if not ok.any():
+            return _empty_requests(), failures
+        rows, slots, seen = rows[ok], slots[ok], seen[ok]
+        n_tokens, notify = rows["n_tokens"], rows["notify"]
+    # Every array below is a private copy, or a view of one (``rows``).
     # Clamped in uint64 first: a garbage submit time must not wrap when made signed.
-    submitted = rows["t_submit_ns"][ok].clip(0, np.uint64(2**62)).astype(np.int64)
+    submitted = _clip(rows["t_submit_ns"], np.uint64(0), np.uint64(2**62)).astype(np.int64)
     requests = Requests(
-        slots=np.asarray(slots, np.int64)[ok],
-        lengths=n[ok],
-        ids=np.stack([rows[f][ok] for f in REQUEST_ID], axis=1),  # (B, 3)
-        dtypes=rows["dtype"][ok],
-        notify=notify[ok],
-        submitted_ns=submitted.clip(seen - TRUSTED_QUEUE_NS, seen),
+        slots=slots,
+        lengths=n_tokens.astype(np.int64),
+        ids=np.ndarray((len(rows), 3), np.uint64, rows, _ID_OFFSET, (SLOT_DT.itemsize, 8)),  # (B, 3)
+        dtypes=rows["dtype"],
+        notify=notify,
+        submitted_ns=_clip(submitted, seen - TRUSTED_QUEUE_NS, seen),
         seen_ns=seen,
-        noise_seeds=rows["noise_seed"][ok],
-        flags=rows["flags"][ok],
-        start_frames=rows["start_frame"][ok],
+        noise_seeds=rows["noise_seed"],
+        flags=rows["flags"],
+        start_frames=rows["start_frame"],
     )
     return requests, failures
 
 
 _FIELD = {name: i for i, name in enumerate(SLOT_DT.names)}
+# The fields _check_one reads, out of a header's tuple in one call.
+_PICK = operator.itemgetter(*(_FIELD[f] for f in (
+    "state", "n_tokens", "n_global", "dtype", "req_generation", "generation", "notify",
+    "t_submit_ns", *REQUEST_ID, "noise_seed", "flags", "start_frame")))  # fmt: skip
 
 
 def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Requests, list[Failure]]:
@@ -185,30 +222,35 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
     costs a few microseconds instead of a dozen numpy calls."""
     # A private copy, as above, as one tuple of Python scalars: np.void.copy() costs ~9 us.
     v = seg.slots[slot].item()
-    n, notify = v[_FIELD["n_tokens"]], v[_FIELD["notify"]]
-    if v[_FIELD["state"]] != READY:
+    state, n, n_global, dtype, req_generation, generation, notify, t_submit, *ids, seed, flags, start = _PICK(v)
+    if state != READY:
         return _empty_requests(), []
     if (
         not 1 <= n <= seg.layout.max_tokens
-        or v[_FIELD["n_global"]] != seg.codec.n_global
-        or v[_FIELD["dtype"]] > 1
-        or v[_FIELD["req_generation"]] != v[_FIELD["generation"]]
+        or n_global != seg.codec.n_global
+        or dtype > 1
+        or req_generation != generation
         or (notify != NO_BELL and notify >= n_bells)
     ):
         row = dict(zip(SLOT_DT.names, v))
         return _empty_requests(), [(slot, *_problem(row, seg.layout.max_tokens, n_bells, seg.codec.n_global))]
-    submitted = min(max(v[_FIELD["t_submit_ns"]], seen - TRUSTED_QUEUE_NS), seen)
+    submitted = min(max(t_submit, seen - TRUSTED_QUEUE_NS), seen)
+    # Three arrays, one per dtype, and the fields as views of them: a numpy array from a list
+    # costs ~1 us, a slice a fifth of that.
+    i64 = np.array((slot, n, submitted, seen), np.int64)
+    u64 = np.array((*ids, seed), np.uint64)
+    u32 = np.array((dtype, notify, flags, start), np.uint32)
     requests = Requests(
-        slots=np.array([slot], np.int64),
-        lengths=np.array([n], np.int64),
-        ids=np.array([[v[_FIELD[f]] for f in REQUEST_ID]], np.uint64),
-        dtypes=np.array([v[_FIELD["dtype"]]], np.uint32),
-        notify=np.array([notify], np.uint32),
-        submitted_ns=np.array([submitted], np.int64),
-        seen_ns=np.array([seen], np.int64),
-        noise_seeds=np.array([v[_FIELD["noise_seed"]]], np.uint64),
-        flags=np.array([v[_FIELD["flags"]]], np.uint32),
-        start_frames=np.array([v[_FIELD["start_frame"]]], np.uint32),
+        slots=i64[0:1],
+        lengths=i64[1:2],
+        ids=u64[None, 0:3],  # (1, 3)
+        dtypes=u32[0:1],
+        notify=u32[1:2],
+        submitted_ns=i64[2:3],
+        seen_ns=i64[3:4],
+        noise_seeds=u64[3:4],
+        flags=u32[2:3],
+        start_frames=u32[3:4],
     )
     return requests, []
 
@@ -247,9 +289,9 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
     global ids (default: the segment's codec).
     """
     codec = seg.codec
-    vocabs = list(codec.level_vocab)
+    vocabs = codec.level_vocab
     if semantic_vocab is not None:
-        vocabs[0] = semantic_vocab
+        vocabs = (semantic_vocab, *vocabs[1:])
     global_vocab = codec.global_vocab if global_vocab is None else global_vocab
     if len(req) == 1:  # slices, not fancy indexing: the common case at low load
         s = int(req.slots[0])
@@ -263,14 +305,16 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
             # The padding: whatever the slot holds there is not ours to decode.
             semantic[np.arange(t) >= req.lengths[:, None]] = 0
         global_ids = seg.globals[req.slots].astype(np.int64)  # (B, n_global)
-    codes = [semantic] + [_gather_level(seg, req, i, t) for i in range(1, codec.n_levels)]
+    codes = [semantic]
+    if codec.n_levels > 1:
+        codes += [_gather_level(seg, req, i, t) for i in range(1, codec.n_levels)]
     failures: list[Failure] = []
-    in_range = all(0 <= c.min() and c.max() < v for c, v in zip(codes, vocabs))
-    if global_ids.size:
-        in_range = in_range and 0 <= global_ids.min() and global_ids.max() < global_vocab
-    if in_range:
-        bad = np.zeros(len(req), bool)  # the common case: no mask needed
-    else:
+    # One reduction per array: seen as uint64, a negative id is >= 2**63, so "0 <= id < vocab"
+    # is "id < vocab" (the copies are fresh C-contiguous int64 arrays, never empty: t >= 1).
+    in_range = all(_MAX(c.view(np.uint64), axis=None) < v for c, v in zip(codes, vocabs))
+    if in_range and global_ids.size:
+        in_range = _MAX(global_ids.view(np.uint64), axis=None) < global_vocab
+    if not in_range:  # the rare path: find the rows out of range, and why
         bad_codes = [((c < 0) | (c >= v)).any(axis=1) for c, v in zip(codes, vocabs)]
         bad_glb = ((global_ids < 0) | (global_ids >= global_vocab)).any(axis=1)
         bad = np.logical_or.reduce([*bad_codes, bad_glb])
@@ -341,10 +385,11 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
         f["state"][s] = DONE  # order matters, as below
         return now
     slots = req.slots
+    # rows16 and rows32 are ascending row indices: all of them (the common case) is every slot.
     if len(rows16):
-        seg.pcm16[slots[rows16], : pcm16.shape[1]] = pcm16
+        seg.pcm16[slots if len(rows16) == len(slots) else slots[rows16], : pcm16.shape[1]] = pcm16
     if len(rows32):
-        seg.pcm32[slots[rows32], : pcm32.shape[1]] = pcm32
+        seg.pcm32[slots if len(rows32) == len(slots) else slots[rows32], : pcm32.shape[1]] = pcm32
     now = time.monotonic_ns()
     f = seg.field
     f["status"][slots] = Status.OK

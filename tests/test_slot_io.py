@@ -104,3 +104,106 @@ def test_the_single_row_path_and_the_vectorised_path_agree_field_for_field(seg):
     many, _ = gather(seg, together.take([1, 0, 2]), semantic_vocab=8192, global_vocab=4096)
     assert np.array_equal(one.semantic[0], many.semantic[0, :2]) and one.semantic.shape == (1, 2)
     assert np.array_equal(one.global_ids, many.global_ids[:1])
+
+
+@pytest.mark.parametrize(
+    "fields, status",
+    [
+        (dict(n_tokens=0), Status.BAD_LENGTH),
+        (dict(n_tokens=51), Status.BAD_LENGTH),  # max_tokens + 1
+        (dict(n_tokens=50), None),  # max_tokens
+        (dict(n_global=31), Status.BAD_GLOBAL),
+        (dict(dtype=2), Status.BAD_DTYPE),
+        (dict(req_generation=12345), Status.STALE_GENERATION),
+        (dict(notify=6), Status.BAD_NOTIFY),  # n_bells
+        (dict(notify=5), None),  # n_bells - 1
+        (dict(notify=NO_BELL), None),
+        (dict(notify=NO_BELL - 1), Status.BAD_NOTIFY),
+        (dict(state=1), "stray"),  # not READY: dropped without an answer
+    ],
+)
+def test_the_vectorised_check_agrees_with_the_single_row_check_on_every_bad_field(seg, fields, status):
+    """check_headers checks a batch with wrapping uint32 arithmetic (n - 1, notify + 1) and the
+    single-row path with Python comparisons: both must reach the same verdict, at the edges too,
+    and a bad row must not cost its batchmates."""
+    for slot in (0, 2, 4):
+        _ready(seg, slot, [1, 2, 3], seq=slot + 1)
+    for k, v in fields.items():
+        seg.field[k][2] = v
+    alone, alone_failures = check_headers(seg, np.array([2]), _seen(np.array([2])), n_bells=6)
+    together, failures = check_headers(seg, np.array([0, 2, 4]), _seen(np.array([0, 2, 4])), n_bells=6)
+    assert [(s, st) for s, st, _ in failures] == [(s, st) for s, st, _ in alone_failures]
+    assert [m for *_, m in failures] == [m for *_, m in alone_failures]
+    if status is None:
+        assert failures == [] and together.slots.tolist() == [0, 2, 4]
+        row = together.take([1])
+        for field in ("slots", "lengths", "ids", "dtypes", "notify", "submitted_ns", "seen_ns",
+                      "noise_seeds", "flags"):  # fmt: skip
+            a, b = getattr(alone, field), getattr(row, field)
+            assert a.dtype == b.dtype and a.tolist() == b.tolist(), field
+    else:
+        assert together.slots.tolist() == [0, 4] and len(alone) == 0
+        assert failures == ([] if status == "stray" else [(2, status, failures[0][2])])
+    assert together.ids[:, 2].tolist()[0] == 1 and together.ids[:, 2].tolist()[-1] == 5
+
+
+def test_check_headers_copies_every_field_it_returns(seg):
+    """The rows returned are (views of) a private copy: a client writing its slot after the
+    check changes none of them, in either path."""
+    for slot in (1, 3):
+        _ready(seg, slot, [1, 2], seq=slot)
+    for slots in (np.array([1]), np.array([1, 3])):
+        req, _ = check_headers(seg, slots, _seen(slots), n_bells=6)
+        fields = ("lengths", "ids", "dtypes", "notify", "submitted_ns", "noise_seeds", "flags")
+        before = {k: getattr(req, k).tolist() for k in fields}
+        f = seg.field
+        for k, v in dict(n_tokens=7, request_seq=999, handle_id=5, dtype=1, notify=2,
+                         t_submit_ns=1, noise_seed=3, flags=1).items():  # fmt: skip
+            f[k][1] = v
+        assert {k: getattr(req, k).tolist() for k in before} == before
+        _ready(seg, 1, [1, 2], seq=1)
+
+
+def test_check_headers_of_only_strays_is_empty(seg):
+    for slot in (1, 3):
+        _ready(seg, slot, [1, 2])
+        seg.field["state"][slot] = 1
+    req, failures = check_headers(seg, np.array([1, 3]), _seen(np.array([1, 3])), n_bells=6)
+    assert len(req) == 0 and failures == [] and req.ids.shape == (0, 3)
+
+
+@pytest.mark.parametrize("where, value, ok", [
+    ("semantic", -1, False), ("semantic", 8191, True), ("semantic", 8192, False),
+    ("semantic", -(2**31), False), ("global", -1, False), ("global", 4095, True),
+    ("global", 4096, False),
+])  # fmt: skip
+def test_gather_range_check_at_the_edges_in_both_paths(seg, where, value, ok):
+    """One reduction per array (ids seen as uint64): negative ids must still fail."""
+    for slots in (np.array([2]), np.array([0, 2])):
+        for slot in slots.tolist():
+            _ready(seg, slot, [1, 2, 3])
+        if where == "semantic":
+            seg.tokens[2, 1] = value
+        else:
+            seg.globals[2, 5] = value
+        req, _ = check_headers(seg, slots, _seen(slots), n_bells=6)
+        batch, failures = gather(seg, req, semantic_vocab=8192, global_vocab=4096)
+        if ok:
+            assert failures == [] and 2 in batch.slots.tolist()
+        else:
+            status = Status.BAD_SEMANTIC_ID if where == "semantic" else Status.BAD_GLOBAL
+            assert [(s, st) for s, st, _ in failures] == [(2, status)]
+            assert f"{value} at position" in failures[0][2]
+            assert batch is None if len(slots) == 1 else batch.slots.tolist() == [0]
+
+
+def test_requests_take_in_order_is_itself_and_any_other_order_is_a_copy(seg):
+    for slot in (0, 2, 4):
+        _ready(seg, slot, [1, 2, 3][: slot // 2 + 1], seq=slot + 1)
+    req, _ = check_headers(seg, np.array([0, 2, 4]), _seen(np.array([0, 2, 4])), n_bells=6)
+    assert req.take(np.arange(3)) is req
+    other = req.take(np.array([2, 0, 1]))
+    assert other.slots.tolist() == [4, 0, 2] and other.ids[:, 2].tolist() == [5, 1, 3]
+    assert req.take(np.array([True, False, True])).slots.tolist() == [0, 4]  # a mask: a copy
+    assert req.take(slice(1, None)).slots.tolist() == [2, 4]  # Batch.split's halves
+    assert req.take([0, 1]).slots.tolist() == [0, 2]

@@ -154,3 +154,59 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "a condition") -> Non
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+def submitted_requests(segment) -> int:
+    """Requests a server holds or can read now: BUSY slots, and READY slots whose ``req.I`` is
+    posted (the client's last step of a submit). Read from the shared table and semaphores."""
+    from bicodec_shm.transport import BUSY, READY
+
+    states = segment.slots["state"]
+    ready = np.flatnonzero(states == READY).tolist()
+    return int((states == BUSY).sum()) + sum(segment.req(slot).value > 0 for slot in ready)
+
+
+def wait_submitted(segment, count: int, timeout: float = 30.0) -> None:
+    """Until ``count`` requests are submitted (see ``submitted_requests``): with a gated
+    decoder, the batches that run are in the decoder and every other request is queued, so
+    opening the gate then lets the queued ones form a batch together."""
+    wait_for(lambda: submitted_requests(segment) >= count, timeout,
+             f"{count} submitted requests (slot states {segment.slots['state'].tolist()})")  # fmt: skip
+
+
+class ReadLog:
+    """Records what a ``DecoderServer``'s dispatcher reads: the slots of every non-empty scan
+    of the table (``_ready_requests``), in order. So a test waits until the server has seen a
+    request, rather than sleep and hope it has."""
+
+    def __init__(self, server) -> None:
+        import threading
+
+        self.reads: list[list[int]] = []
+        self._cond = threading.Condition()
+        real = server._ready_requests
+
+        def recording(seg):
+            ready = real(seg)
+            if ready is not None:
+                with self._cond:
+                    self.reads.append(ready.slots.tolist())
+                    self._cond.notify_all()
+            return ready
+
+        server._ready_requests = recording  # the dispatcher looks it up on every scan
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self.reads)
+
+    def wait_read(self, slots=None, since: int = 0, timeout: float = 30.0) -> bool:
+        """Until a scan after the first ``since`` ones has read every slot of ``slots`` (any
+        slot if None); False after ``timeout``."""
+        want = None if slots is None else {int(s) for s in slots}
+
+        def seen() -> bool:
+            return any(want is None or want <= set(read) for read in self.reads[since:])
+
+        with self._cond:
+            return self._cond.wait_for(seen, timeout)

@@ -186,3 +186,125 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "a condition") -> Non
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+def submitted_requests(segment) -> int:
+    """Requests a server holds or can read now: BUSY slots, and READY slots whose ``req.I`` is
+    posted (the client's last step of a submit). Read from the shared table and semaphores."""
+    from bicodec_shm.transport import BUSY, READY
+
+    states = segment.slots["state"]
+    ready = np.flatnonzero(states == READY).tolist()
+    return int((states == BUSY).sum()) + sum(segment.req(slot).value > 0 for slot in ready)
+
+
+def wait_submitted(segment, count: int, timeout: float = 30.0) -> None:
+    """Until ``count`` requests are submitted (see ``submitted_requests``): with a gated
+    decoder, the batches that run are in the decoder and every other request is queued, so
+    opening the gate then lets the queued ones form a batch together."""
+    wait_for(lambda: submitted_requests(segment) >= count, timeout,
+             f"{count} submitted requests (slot states {segment.slots['state'].tolist()})")  # fmt: skip
+
+
+class ReadLog:
+    """Records what a ``DecoderServer``'s dispatcher reads: the slots of every non-empty scan
+    of the table (``_ready_requests``), in order. So a test waits until the server has seen a
+    request, rather than sleep and hope it has."""
+
+    def __init__(self, server) -> None:
+        import threading
+
+        self.reads: list[list[int]] = []
+        self._cond = threading.Condition()
+        real = server._ready_requests
+
+        def recording(seg):
+            ready = real(seg)
+            if ready is not None:
+                with self._cond:
+                    self.reads.append(ready.slots.tolist())
+                    self._cond.notify_all()
+            return ready
+
+        server._ready_requests = recording  # the dispatcher looks it up on every scan
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self.reads)
+
+    def wait_read(self, slots=None, since: int = 0, timeout: float = 30.0) -> bool:
+        """Until a scan after the first ``since`` ones has read every slot of ``slots`` (any
+        slot if None); False after ``timeout``."""
+        want = None if slots is None else {int(s) for s in slots}
+
+        def seen() -> bool:
+            return any(want is None or want <= set(read) for read in self.reads[since:])
+
+        with self._cond:
+            return self._cond.wait_for(seen, timeout)
+
+
+# -- ports ------------------------------------------------------------------------------------
+# Choosing a port by binding port 0, closing the socket and passing the number on races every
+# other process on the machine for that port. Either hand the bound socket over (bound_socket),
+# or let the server bind port 0 itself and ask the kernel which port it got (listening_port).
+# Only where neither is possible (Ray's ports) is a number chosen ahead (free_port), and then
+# the start is retried on a clash (retry_on_port_clash).
+
+
+def bound_socket(host: str = "127.0.0.1"):
+    """A TCP socket bound to a free port of ``host`` (not listening), inheritable: pass its
+    ``fileno()`` to the server under test (``pass_fds``), which then owns the port from the
+    start. The caller closes its copy once the server has it."""
+    import socket
+
+    sock = socket.socket()
+    try:
+        sock.bind((host, 0))
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listening_port(pid: int, timeout: float = 60.0, proc=None) -> int:
+    """The TCP port that process ``pid`` listens on (a server told to bind port 0): waits until
+    it listens; fails after ``timeout``, or at once if ``proc`` (its Popen) has exited."""
+    import psutil
+
+    found: list[int] = []
+
+    def listens() -> bool:
+        assert proc is None or proc.poll() is None, f"the server exited ({proc.returncode})"
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+        found[:] = sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN})
+        return bool(found)
+
+    wait_for(listens, timeout, f"process {pid} to listen on a TCP port")
+    assert len(found) == 1, f"process {pid} listens on several ports: {found}"
+    return found[0]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago: only for servers that can neither take a socket nor
+    bind port 0 themselves, and then only under ``retry_on_port_clash``."""
+    with bound_socket(host) as sock:
+        return sock.getsockname()[1]
+
+
+class PortClash(Exception):
+    """Raised by a start that failed because another process took its port first."""
+
+
+def retry_on_port_clash(start, attempts: int = 3, what: str = "the server"):
+    """``start()`` (which chooses fresh ports on every call), again on ``PortClash``, at most
+    ``attempts`` times; then fail saying that the ports kept being taken."""
+    clashes = []
+    for _ in range(attempts):
+        try:
+            return start()
+        except PortClash as clash:
+            clashes.append(str(clash))
+    raise AssertionError(f"{what} could not start: another process took its port {attempts} times "
+                         "between choosing and binding:\n" + "\n".join(clashes))  # fmt: skip

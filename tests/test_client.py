@@ -11,7 +11,16 @@ import time
 
 import numpy as np
 import pytest
-from support import GatedDecoder, check_in_forked_child, seed_int16, single_decode
+from support import (
+    GatedDecoder,
+    SteppedDecoder,
+    check_in_forked_child,
+    seed_int16,
+    single_decode,
+    submitted_requests,
+    wait_for,
+    wait_submitted,
+)
 
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import BiCodecShmError, DecodeTimeoutError, ServerUnavailableError
@@ -110,7 +119,7 @@ def test_200_concurrent_coroutines_all_complete_correctly(thread_server, shm_nam
     (the decoder is gated) and until they finish: one waiter thread per handle at most, never
     one per request."""
     decoder = GatedDecoder()
-    thread_server(decoder, max_batch=16)
+    server = thread_server(decoder, max_batch=16)
     rng = np.random.default_rng(5)
     reqs = [(rng.integers(0, 8192, int(rng.integers(2, 12))), rng.integers(0, 4096, 32))
             for _ in range(200)]  # fmt: skip
@@ -119,9 +128,15 @@ def test_200_concurrent_coroutines_all_complete_correctly(thread_server, shm_nam
         threads_before = threading.active_count()
         peak = threads_before
         tasks = [asyncio.create_task(client.decode_async(s, g)) for s, g in reqs]
-        for _ in range(50):  # every call has started and is waiting (the decoder is gated)
+        # Every call has started (at the first await) and waits: eight are submitted (the
+        # decoder is gated), the others wait for those eight slots.
+        deadline = time.monotonic() + 30
+        while submitted_requests(server.segment) < 8:
+            assert time.monotonic() < deadline, server.segment.slots["state"]
             await asyncio.sleep(0.002)
             peak = max(peak, threading.active_count())
+        await asyncio.sleep(0)
+        peak = max(peak, threading.active_count())
         assert not any(t.done() for t in tasks), "all 200 must be in flight while sampling"
         decoder.gate.set()
         while not all(t.done() for t in tasks):
@@ -181,29 +196,21 @@ def test_more_threads_than_slots_all_complete(thread_server, shm_name):
 
 
 def test_backpressure_times_out_with_a_clear_error_when_slots_stay_busy(thread_server, shm_name):
-    import time
-
-    class Slow:
-        def __init__(self, model):
-            self.model, self.device, self.config = model, model.device, model.config
-
-        def detokenize(self, *args):
-            time.sleep(1.0)
-            return self.model.detokenize(*args)
-
-    from support import reference_model
-
-    thread_server(Slow(reference_model()))
+    decoder = SteppedDecoder()  # each batch stays in the decoder until the test steps it
+    thread_server(decoder)
     with DecoderClient(shm_name, slots=1) as client:
         first = threading.Thread(target=client.decode, args=([1, 2], GLB))
         first.start()
-        time.sleep(0.2)
+        decoder.wait_entered(1)  # the handle's one slot is busy with the first request
         with pytest.raises(DecodeTimeoutError, match="timed out waiting for a free slot"):
             client.decode([1, 2], GLB, timeout=0.3)
-        first.join()
+        decoder.step()
+        first.join(30)
         # A request that times out waiting for the server frees its slot once answered.
         with pytest.raises(DecodeTimeoutError, match="it still serves: it may be overloaded"):
             client.decode([3, 4], GLB, timeout=0.3)
+        decoder.step()  # [3, 4] is answered, its slot comes back ...
+        decoder.step()  # ... and [5, 6] goes through
         assert client.decode([5, 6], GLB, timeout=10).shape == (2 * HOP,)
 
 
@@ -275,19 +282,18 @@ def test_client_side_imports_no_torch():
 
 def test_a_stale_done_post_is_never_taken_for_the_answer(thread_server, shm_name):
     """Finding 12: every post carries a sequence number the reader checks after taking it."""
-    import time
-
     decoder = GatedDecoder()
-    thread_server(decoder, lanes=1)
+    server = thread_server(decoder, lanes=1)
     sem, glb = np.arange(40) * 11, np.arange(32) * 3
     with DecoderClient(shm_name, slots=1) as client:
         result = []
         t = threading.Thread(target=lambda: result.append(client.decode(sem, glb, dtype="float32")))
         t.start()
-        time.sleep(0.3)
+        wait_submitted(server.segment, 1)  # the request is in the (gated) decoder
         (slot,) = client._att.owned
-        client._att.segment.done(slot).release()  # a stray post, as a timed-out request leaves
-        time.sleep(0.3)
+        done = client._att.segment.done(slot)
+        done.release()  # a stray post, as a timed-out request leaves
+        wait_for(lambda: done.value == 0, what="the client to take the stray post")
         assert t.is_alive() and not result  # not fooled into reading a result that is not there
         decoder.gate.set()
         t.join(30)
@@ -324,8 +330,6 @@ def test_slots_are_claimed_on_demand_and_given_back_when_quiescent(thread_server
 
 def test_threads_of_one_handle_never_claim_the_same_slot(thread_server, shm_name, monkeypatch):
     """Slot locks exclude processes, not threads sharing a descriptor: claims are serialised."""
-    import time
-
     decoder = GatedDecoder()
     server = thread_server(decoder, lanes=1, slots=8)
     # Every claimer starts its scan at the same slot: collisions are the rule, not luck.
@@ -343,8 +347,8 @@ def test_threads_of_one_handle_never_claim_the_same_slot(thread_server, shm_name
         threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
         seg = server.segment
+        wait_submitted(seg, 8, timeout=10)  # (two threads sharing a slot: never eight)
         assert len(client._att.owned) == 8  # eight distinct slots for eight requests in flight
         assert int((seg.slots["state"] != SlotState.FREE).sum()) == 8
         assert all(seg.slot_owned_elsewhere(slot) for slot in range(8))  # no lock dropped

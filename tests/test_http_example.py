@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 from conftest import ROOT
-from support import TESTS, seed_int16, single_decode
+from support import TESTS, bound_socket, seed_int16, single_decode
 
 for _module in ("starlette", "uvicorn", "httpx"):
     pytest.importorskip(_module, reason='the HTTP example needs its extra: pip install -e ".[examples]"')
@@ -41,12 +40,6 @@ from examples.http_tts.app import ConfigError, Settings, create_app  # noqa: E40
 STARTED = "Application startup complete."
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _assert_matches_lone_decode(pcm: np.ndarray, semantic, global_ids) -> None:
     expected = seed_int16(single_decode(np.asarray(semantic), np.asarray(global_ids)))
     assert pcm.shape == expected.shape
@@ -58,15 +51,16 @@ class Uvicorn:
 
     def __init__(self, name: str, workers: int, log_path: str, *, timeout: float = 120.0) -> None:
         self.workers, self.log_path = workers, log_path
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, BICODEC_SHM_NAME=name, BICODEC_SHM_TIMEOUT=str(timeout))
-        with open(log_path, "w") as log_file:
+        # uvicorn serves on a socket we bound: the port is its own from the start (`--fd`).
+        with bound_socket() as sock, open(log_path, "w") as log_file:
+            self.port = sock.getsockname()[1]
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "examples.http_tts.app:app", "--workers", str(workers),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log"],
-                cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                 "--fd", str(sock.fileno()), "--no-access-log"],
+                cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),),
             )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -365,11 +359,12 @@ def test_a_bad_setting_stops_uvicorns_master_once_with_one_line():
     variable, value, words = "BICODEC_SHM_NAME", "bad name!", "invalid segment name 'bad name!'"
     env = dict(os.environ, **{variable: value})
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "uvicorn", "examples.http_tts.app:app", "--workers", "2",
-         "--host", "127.0.0.1", "--port", str(_free_port())],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    with bound_socket() as sock:
+        done = subprocess.run(
+            [sys.executable, "-m", "uvicorn", "examples.http_tts.app:app", "--workers", "2",
+             "--fd", str(sock.fileno())],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, pass_fds=(sock.fileno(),),
+        )  # fmt: skip
     log = done.stdout + done.stderr
     errors = [line for line in log.splitlines() if "bad setting" in line]
     assert errors == [errors[0]] and f"{variable}={value!r}" in errors[0] and words in errors[0], log

@@ -16,7 +16,7 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import ROOT
-from support import SteppedDecoder, reference_model, wait_for
+from support import SteppedDecoder, listening_port, reference_model, wait_for
 
 import bicodec_shm
 from bicodec_shm.cli import main
@@ -69,12 +69,6 @@ def parser():
     from prometheus_client.parser import text_string_to_metric_families
 
     return text_string_to_metric_families
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(parser, url: str) -> dict:
@@ -177,9 +171,10 @@ def _wait_for(predicate, timeout: float = 10.0) -> None:
 
 
 def test_scrapes_during_and_after_load_match_the_requests_and_stats(start_server, shm_name, parser):
-    port = _free_port()
-    start_server("--metrics-port", str(port), "--metrics-host", "127.0.0.1")
-    url = f"http://127.0.0.1:{port}/metrics"
+    # Port 0: the server binds a free port itself (no race for a number chosen ahead); the
+    # kernel tells which one.
+    proc = start_server("--metrics-port", "0", "--metrics-host", "127.0.0.1")
+    url = f"http://127.0.0.1:{listening_port(proc.pid, proc=proc)}/metrics"
 
     idle = _scrape_when_up(parser, url)
     assert _get(idle, "bicodec_shm_requests_total") == 0

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from conftest import ROOT
-from support import assert_lone_int16
+from support import PortClash, assert_lone_int16, free_port, retry_on_port_clash
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 # Looked up, not imported: the cluster's processes import Ray, this one needs only its `ray` command.
@@ -55,10 +55,11 @@ START_TIMEOUT = 120
 REQUESTS = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Neither Ray nor Serve can take a bound socket, so their ports are numbers chosen ahead
+# (support.free_port): a start that finds one taken is retried on fresh ports (PortClash).
+# (Checked on Ray 2.x with the GCS port held: `ray start` exits 1 quoting "Address already in
+# use" in its hint, which it prints for any failed gRPC start: those are retried too.)
+_PORT_TAKEN = re.compile(r"already (in use|occupied)|address in use|EADDRINUSE|failed to bind", re.IGNORECASE)
 
 
 class LocalCluster:
@@ -66,42 +67,59 @@ class LocalCluster:
 
     def __init__(self, temp_dir: str) -> None:
         self.temp_dir = temp_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"{NODE_IP}:{self.port}"
         self.groups: list[int] = []  # one process group per node
         self.log_path = os.path.join(temp_dir, "ray-start.log")
         # Workers import this checkout's bicodec_shm and examples; the fixed metrics ports of
         # the autoscaler and the dashboard move to free ones so parallel clusters never clash.
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-                        AUTOSCALER_METRIC_PORT=str(_free_port()), DASHBOARD_METRIC_PORT=str(_free_port()),
+                        AUTOSCALER_METRIC_PORT=str(free_port()), DASHBOARD_METRIC_PORT=str(free_port()),
                         RAY_USAGE_STATS_ENABLED="0")  # fmt: skip
 
     def start_node(self, resource: str, worker_ports: int) -> subprocess.Popen:
         command = [RAY, "start", "--node-ip-address", NODE_IP, "--num-cpus", "3",
                    "--resources", f'{{"{resource}": 1}}', "--disable-usage-stats",
                    "--object-store-memory", str(80 * 2**20),
-                   "--node-manager-port", str(_free_port()), "--object-manager-port", str(_free_port()),
-                   "--dashboard-agent-listen-port", str(_free_port()),
-                   "--dashboard-agent-grpc-port", str(_free_port()),
-                   "--runtime-env-agent-port", str(_free_port()),
-                   "--metrics-export-port", str(_free_port()),
+                   "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+                   "--dashboard-agent-listen-port", str(free_port()),
+                   "--dashboard-agent-grpc-port", str(free_port()),
+                   "--runtime-env-agent-port", str(free_port()),
+                   "--metrics-export-port", str(free_port()),
                    "--min-worker-port", str(worker_ports),
                    "--max-worker-port", str(worker_ports + 99)]  # fmt: skip
         if not self.groups:
             command += ["--head", "--port", str(self.port), "--temp-dir", self.temp_dir,
                         "--include-dashboard=false",
-                        "--ray-client-server-port", str(_free_port())]  # fmt: skip
+                        "--ray-client-server-port", str(free_port())]  # fmt: skip
         else:
             command += ["--address", self.address]
+        self._log_start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         with open(self.log_path, "a") as log:
             proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
         self.groups.append(proc.pid)  # its session's process group: every process of the node
         return proc
 
+    def check_started(self, proc: subprocess.Popen, what: str) -> None:
+        """``ray start`` exited 0; else PortClash if its log says a port was taken, else skip."""
+        if proc.wait(START_TIMEOUT) == 0:
+            return
+        said = self.log()[self._log_start:]
+        if _PORT_TAKEN.search(said):
+            raise PortClash(f"{what} failed ({proc.returncode}): {_PORT_TAKEN.search(said).group(0)!r}")
+        pytest.skip(f"{what} failed ({proc.returncode}):\n{said[-3000:]}")
+
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
+
+    def restart(self) -> None:
+        """Kill both nodes and start them again on fresh ports (PortClash as ``_start_cluster``)."""
+        self.kill()
+        fresh = _start_cluster()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        self.__dict__.update(fresh.__dict__)
 
     def processes(self) -> list[psutil.Process]:
         """Every process of the cluster: the nodes' process groups, and their descendants (Ray
@@ -157,22 +175,31 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-@pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
-    """Two started nodes; killed afterwards, pass or fail, with their temp dir removed."""
+def _start_cluster() -> LocalCluster:
+    """Two started nodes, on ports chosen now (PortClash if one was taken meanwhile)."""
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     cluster = LocalCluster(temp_dir)
     try:
-        head = cluster.start_node("node_a", 20000 + 200 * (os.getpid() % 100))
-        if head.wait(START_TIMEOUT) != 0:
-            pytest.skip(f"ray start --head failed ({head.returncode}):\n{cluster.log()[-3000:]}")
-        second = cluster.start_node("node_b", 20100 + 200 * (os.getpid() % 100))
-        if second.wait(START_TIMEOUT) != 0:
-            pytest.skip(f"ray start (second node) failed ({second.returncode}):\n{cluster.log()[-3000:]}")
+        cluster.check_started(cluster.start_node("node_a", 20000 + 200 * (os.getpid() % 100)),
+                              "ray start --head")  # fmt: skip
+        cluster.check_started(cluster.start_node("node_b", 20100 + 200 * (os.getpid() % 100)),
+                              "ray start (second node)")  # fmt: skip
+        return cluster
+    except BaseException:
+        cluster.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    """Two started nodes; killed afterwards, pass or fail, with their temp dir removed."""
+    cluster = retry_on_port_clash(_start_cluster, what="the Ray cluster")
+    try:
         yield cluster
     finally:
         cluster.kill()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
 
 
 def _deploy(cluster: LocalCluster, prefix: str, http_port: int) -> None:
@@ -184,6 +211,24 @@ def _deploy(cluster: LocalCluster, prefix: str, http_port: int) -> None:
     done = subprocess.run(command, cwd=ROOT, env=cluster.env, capture_output=True, text=True,
                           timeout=START_TIMEOUT)  # fmt: skip
     assert done.returncode == 0, f"deploy failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+
+
+def _deploy_on_a_free_port(cluster: LocalCluster, prefix: str) -> int:
+    """``_deploy`` with Serve's HTTP port chosen now; PortClash if another process holds it
+    (Serve's proxy could not bind it: the deployment cannot be reached)."""
+    port = free_port()
+    _deploy(cluster, prefix, port)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        listeners = {c.pid for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}  # fmt: skip
+        if listeners:
+            ours = {p.pid for p in cluster.processes()}
+            if listeners <= ours:
+                return port
+            raise PortClash(f"Serve's HTTP port {port} is held by another process {sorted(listeners - ours)}")
+        assert time.monotonic() < deadline, f"nothing listens on Serve's HTTP port {port}"
+        time.sleep(0.1)
 
 
 def _decoders(prefix: str) -> list[str]:
@@ -261,9 +306,20 @@ async def _load_and_kill(url: str, cases: list[load.Case], victim: str,
 @pytest.mark.timeout(400)
 def test_two_nodes_each_with_its_decoder_through_serve_then_a_killed_decoder_restarts(cluster):
     t0 = time.monotonic()
-    prefix, http_port = random_name("bcshm-ray"), _free_port()
+    prefix = random_name("bcshm-ray")
     try:
-        _deploy(cluster, prefix, http_port)
+        # On a clash Serve is already started on the lost port: a fresh cluster tries a fresh one.
+        attempts = []
+
+        def deploy() -> int:
+            if attempts:
+                cluster.restart()
+                for name in _decoders(prefix):
+                    unlink_segment(name)
+            attempts.append(1)
+            return _deploy_on_a_free_port(cluster, prefix)
+
+        http_port = retry_on_port_clash(deploy, what="Ray Serve's HTTP proxy")
         deployed = time.monotonic() - t0
         names = _decoders(prefix)
         assert len(names) == 2, names  # one decoder per node, named after its node id

@@ -18,7 +18,16 @@ import numpy as np
 import posix_ipc
 import pytest
 from conftest import ROOT, serve_command, wait_until_serving
-from support import GatedDecoder, reference_model, seed_int16, seeded_request, single_decode
+from support import (
+    GatedDecoder,
+    ReadLog,
+    reference_model,
+    seed_int16,
+    seeded_request,
+    single_decode,
+    wait_for,
+    wait_submitted,
+)
 
 from bicodec_shm import transport
 from bicodec_shm.client import DecoderClient
@@ -33,6 +42,7 @@ from bicodec_shm.group import totals
 from bicodec_shm.server import DecoderServer
 from bicodec_shm.transport import (
     FREE_BELL_CAP,
+    Phase,
     READY,
     Segment,
     SlotState,
@@ -42,13 +52,6 @@ from bicodec_shm.transport import (
     reserve_name,
     unlink_all,
 )
-
-
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def _lone(req) -> np.ndarray:
@@ -101,7 +104,11 @@ def test_1_closing_with_an_answer_written_but_not_posted_never_delivers_it_to_th
             got = []
             tb = threading.Thread(target=lambda: got.append(b.decode(*req_b, dtype="float32")))
             tb.start()
-            time.sleep(0.3)  # B waits for the slot: the reaper must not free it before the post
+            # B waits for the slot. The one lane is held at the ring, so the dispatcher does not
+            # tick: a reaper pass here stands for any that could run before the post. It must
+            # leave the DONE slot alone (its owner is gone, but its post is still to come).
+            server.reap()
+            assert server.segment.slots["state"][0] == SlotState.DONE
             assert not got
             server.ring_gate.set()  # A's post goes out; then the slot is freed and B gets it
             tb.join(20)
@@ -156,12 +163,12 @@ def test_2_a_garbage_submit_time_fails_nobody_and_is_clamped(shm_name):
 
         first = threading.Thread(target=run, args=(0,))
         first.start()
-        _wait_for(lambda: int(server.segment.header["busy_lanes"]) == 1)  # the lane is gated
+        wait_for(lambda: int(server.segment.header["busy_lanes"]) == 1)  # the lane is gated
         rest = [threading.Thread(target=run, args=(i,)) for i in (1, 2, 3)]
         for t in rest:
             t.start()
         seg = server.segment
-        _wait_for(lambda: int((seg.slots["state"] == READY).sum()) == 3)
+        wait_for(lambda: int((seg.slots["state"] == READY).sum()) == 3)
         # One client writes garbage into its own field (a bug, or hostile): the largest value.
         garbage = int(np.flatnonzero(seg.slots["state"] == READY)[0])
         seg.slots["t_submit_ns"][garbage] = np.uint64(2**64 - 1)
@@ -276,7 +283,7 @@ def test_6_a_successor_waits_for_a_server_that_finishes_its_batch(shm_name):
             got = []
             t = threading.Thread(target=lambda: got.append(client.decode(*req, dtype="float32")))
             t.start()
-            _wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
+            wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
             old.stop()  # SIGTERM: it still serves the batch it holds
             threading.Timer(1.0, decoder.gate.set).start()
             new = DecoderServer(reference_model(), shm_name, slots=2, start_wait=20)  # waits, not refused
@@ -305,7 +312,7 @@ def test_6_serve_started_while_the_old_server_finishes_its_batch_takes_over(shm_
             got = []
             t = threading.Thread(target=lambda: got.append(client.decode(*req)))
             t.start()
-            _wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
+            wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
             old.stop()
             new = subprocess.Popen(serve_command(shm_name), cwd=ROOT, stderr=log)
             threading.Timer(7.0, decoder.gate.set).start()  # past the CLI's 5 s grace
@@ -545,16 +552,19 @@ def test_14_a_request_sent_while_its_answer_is_being_rung_is_not_skipped(shm_nam
     import bicodec_shm.server as server_module
 
     real_ring = server_module.ring
+    reads = []  # the server's ReadLog, once it exists
 
     def slow_ring(seg, slots, bells):
+        since = len(reads[0])
         real_ring(seg, slots, bells)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and not (seg.field["state"][slots] == READY).all():
-            time.sleep(0.001)  # the client resubmits ...
-        time.sleep(0.05)  # ... and the dispatcher wakes and scans
+        # The client resubmits and the other lane (the dispatcher) scans and reads the request.
+        # With the slot still held, it is never read: after 1 s the lane goes on, and the
+        # request waits for the reaper's tick (the assertion below).
+        reads[0].wait_read(slots, since=since, timeout=1.0)
 
     monkeypatch.setattr(server_module, "ring", slow_ring)
     server = DecoderServer(reference_model(), shm_name, slots=4, lanes=2, reap_interval=5.0, rejoin_ms=0)
+    reads.append(ReadLog(server))
     thread = _start(server)
     try:
         with DecoderClient(shm_name, slots=1) as client:
@@ -620,7 +630,7 @@ def test_s3_close_during_calls_that_are_attaching_leaves_no_attachment_behind(sh
             for t in callers:
                 t.join(10)
             assert client._att is None
-            _wait_for(lambda: len(transport._lock_fds) == baseline, 5)  # every attachment closed
+            wait_for(lambda: len(transport._lock_fds) == baseline, 5)  # every attachment closed
     finally:
         _stop(server, thread)
 
@@ -647,9 +657,10 @@ def test_s4_a_second_sigterm_during_the_stop_still_unlinks_everything(shm_name):
         with DecoderClient(shm_name, timeout=10) as client:
             t = threading.Thread(target=_raises, args=(lambda: client.decode([1, 2], [0] * 32),))
             t.start()
-            time.sleep(0.3)  # a batch is running
+            header = client._att.segment.header
+            wait_for(lambda: int(header["busy_lanes"]) == 1, what="a running batch")  # of 1 s
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
+            wait_for(lambda: int(header["phase"]) == Phase.STOPPING, what="the first SIGTERM handled")
             proc.send_signal(signal.SIGTERM)  # forces the stop
             assert proc.wait(20) == 0
             t.join(15)
@@ -667,9 +678,9 @@ def test_queued_requests_fail_fast_once_the_server_stopped_with_no_successor(shm
 
         async def run():
             first = asyncio.ensure_future(client.decode_async([1, 2, 9], [0] * 32))
-            await asyncio.to_thread(_wait_for, lambda: int(server.segment.header["busy_lanes"]) == 1)
+            await asyncio.to_thread(wait_for, lambda: int(server.segment.header["busy_lanes"]) == 1)
             queued = [asyncio.ensure_future(client.decode_async([1, 2, i], [0] * 32)) for i in range(3)]
-            await asyncio.to_thread(_wait_for, lambda: int((server.segment.slots["state"] == READY).sum()) == 3)
+            await asyncio.to_thread(wait_for, lambda: int((server.segment.slots["state"] == READY).sum()) == 3)
             t0 = time.monotonic()
             server.stop()  # SIGTERM with no successor: the running batch is finished ...
             decoder.gate.set()
@@ -690,7 +701,8 @@ def test_async_calls_across_a_restart_leave_nothing_in_the_users_log(shm_name):
     future the client makes is awaited, cancelled, or has its exception retrieved."""
     import gc
 
-    server = DecoderServer(reference_model(), shm_name, slots=8, lanes=1)
+    decoder = GatedDecoder()
+    server = DecoderServer(decoder, shm_name, slots=8, lanes=1)
     thread = _start(server)
     logged = []
     reqs = [seeded_request(40 + i, 10 + i) for i in range(24)]
@@ -700,8 +712,12 @@ def test_async_calls_across_a_restart_leave_nothing_in_the_users_log(shm_name):
             async def run():
                 asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
                 tasks = [asyncio.ensure_future(client.decode_async(*r, dtype="float32")) for r in reqs]
-                await asyncio.sleep(0.05)
-                await asyncio.to_thread(_stop, server, thread)  # the decoder restarts under load
+                # Under load: a batch in the gated decoder, all eight slots submitted, sixteen
+                # calls waiting for a slot.
+                await asyncio.to_thread(wait_submitted, server.segment, 8)
+                server.stop()  # the decoder restarts under load: the running batch is answered,
+                decoder.gate.set()  # the queued ones are resubmitted to the new server
+                await asyncio.to_thread(_stop, server, thread)
                 new = DecoderServer(reference_model(), shm_name, slots=8, lanes=1)
                 new.start_thread()
                 results = await asyncio.gather(*tasks)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import serve_command, wait_until_serving
-from support import reference_model, seed_int16, single_decode
+from support import ReadLog, reference_model, seed_int16, single_decode, wait_submitted
 
 from bicodec_shm.client import DecoderClient
 from bicodec_shm.errors import DecodeError, ServerAlreadyRunningError
@@ -66,7 +66,10 @@ def _requests(seed, count, lo=5, hi=60):
             for _ in range(count)]  # fmt: skip
 
 
-def _decode_all_concurrently(client, reqs, dtype="int16"):
+def _decode_all_concurrently(client, reqs, dtype="int16", gate=None, server=None):
+    """Decode ``reqs`` in a thread each. With ``gate`` (a gated decoder's), the gate opens only
+    once every request is submitted (``wait_submitted``): the batches that got in first wait in
+    the decoder and all the others are queued behind them, so they form batches together."""
     results = [None] * len(reqs)
 
     def run(i):
@@ -78,6 +81,11 @@ def _decode_all_concurrently(client, reqs, dtype="int16"):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
     for t in threads:
         t.start()
+    if gate is not None:
+        try:
+            wait_submitted(server.segment, len(reqs))
+        finally:
+            gate.set()
     for t in threads:
         t.join(60)
     return results
@@ -102,10 +110,7 @@ def test_mixed_lengths_in_one_batch_each_get_their_lone_decode(thread_server, sh
     server = thread_server(decoder, max_batch=8, max_batch_tokens=None, min_fill=0.0, lanes=1)
     reqs = _requests(2, 6, lo=3, hi=80)
     with DecoderClient(shm_name, slots=6) as client:
-        holder = threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set()))
-        holder.start()
-        results = _decode_all_concurrently(client, reqs, dtype="float32")
-        holder.join()
+        results = _decode_all_concurrently(client, reqs, dtype="float32", gate=decoder.gate, server=server)
     assert max(decoder.calls) > 1, decoder.calls  # a real multi-row batch formed
     for (sem, glb), pcm in zip(reqs, results):
         np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
@@ -116,12 +121,12 @@ def test_mixed_lengths_in_one_batch_each_get_their_lone_decode(thread_server, sh
 
 def test_a_failing_request_fails_alone_after_split_and_retry(thread_server, shm_name):
     decoder = GatedDecoder()
-    thread_server(decoder, max_batch=8, min_fill=0.0, lanes=1)
+    server = thread_server(decoder, max_batch=8, min_fill=0.0, lanes=1)
     reqs = _requests(3, 5)
     bad = (np.full(20, POISON), np.zeros(32, np.int64))
     with DecoderClient(shm_name, slots=6) as client:
-        threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set())).start()
-        results = _decode_all_concurrently(client, reqs + [bad], dtype="float32")
+        results = _decode_all_concurrently(client, reqs + [bad], dtype="float32", gate=decoder.gate,
+                                           server=server)  # fmt: skip
         # The handle and the server keep working afterwards.
         again = client.decode(*reqs[0], dtype="float32")
     assert max(decoder.calls) >= 3  # the poison shared a batch with others, which was split
@@ -317,20 +322,24 @@ def test_max_wait_window_grows_the_batch_without_spinning(thread_server, shm_nam
 def test_a_client_just_answered_joins_the_next_batch_within_the_rejoin_window(
     thread_server, shm_name, rejoin_ms
 ):
-    """A is answered; B's request is ready before A sends again (500 ms later). With a rejoin
-    window the server waits for A and decodes both together; without one, B goes alone."""
+    """A is answered; B's request is read by the server before A sends again. With a rejoin
+    window the server waits for A and decodes both together; without one, B goes alone (the
+    server plans B's batch from what it has read, without a second look)."""
     decoder = PoisonDecoder()
-    thread_server(decoder, max_batch=4, lanes=1, rejoin_ms=rejoin_ms, min_fill=0.0)
+    server = thread_server(decoder, max_batch=4, lanes=1, rejoin_ms=rejoin_ms, max_wait_ms=0,
+                           min_fill=0.0)  # fmt: skip
+    log = ReadLog(server)
     reqs = _requests(9, 3)
     with DecoderClient(shm_name, slots=1) as a, DecoderClient(shm_name, slots=1) as b:
         results = [a.decode(*reqs[0], dtype="float32"), None, None]
+        a_read = len(log)  # A's request was read; nothing else is in flight
 
         def run_b():
             results[1] = b.decode(*reqs[1], dtype="float32")
 
         thread = threading.Thread(target=run_b)
         thread.start()
-        time.sleep(0.5)
+        assert log.wait_read(since=a_read), "the server never read B's request"
         results[2] = a.decode(*reqs[2], dtype="float32")
         thread.join(30)
     assert decoder.calls == ([1, 2] if rejoin_ms else [1, 1, 1])
@@ -351,12 +360,17 @@ def test_a_ready_slot_is_read_only_after_its_own_req_post(thread_server, shm_nam
             s[k][i] = v
         s["state"][i] = SlotState.READY
         rogue.seg.ready.release()  # the wake-up, but not req.I
-        time.sleep(0.5)
+        # Another client's request, sent after ours is READY: the server scans the whole table
+        # before it answers it, so it has looked at our slot (and must have left it alone).
+        with DecoderClient(shm_name) as client:
+            sem, glb = _requests(12, 1)[0]
+            np.testing.assert_allclose(client.decode(sem, glb, dtype="float32"), single_decode(sem, glb),
+                                       atol=1e-5, rtol=0)  # fmt: skip
         assert s["state"][i] == SlotState.READY  # untouched
         rogue.seg.req(i).release()
         rogue.seg.done(i).acquire(10)
         assert s["state"][i] == SlotState.DONE and int(s["status"][i]) == Status.OK
-        assert stats_from_header(server.segment.header)["requests"] == 1
+        assert stats_from_header(server.segment.header)["requests"] == 2
     finally:
         rogue.close()
 
@@ -402,13 +416,12 @@ def test_single_row_and_batched_paths_give_identical_bytes(thread_server, shm_na
     gate = threading.Event()
     original = decoder.detokenize
     decoder.detokenize = lambda *a: (gate.wait(30), original(*a))[1]
-    thread_server(decoder, lanes=1, max_batch=16, max_batch_tokens=None, min_fill=0.0)
+    server = thread_server(decoder, lanes=1, max_batch=16, max_batch_tokens=None, min_fill=0.0)
     reqs = _requests(30, 12, lo=3, hi=40)
     with DecoderClient(shm_name, slots=12) as client:
         gate.set()
         alone = [client.decode(s, g, dtype=d) for (s, g), d in zip(reqs, ["int16", "float32"] * 6)]
         gate.clear()
-        threading.Thread(target=lambda: (time.sleep(0.5), gate.set())).start()
         results = [None] * len(reqs)
 
         def run(i):
@@ -417,6 +430,10 @@ def test_single_row_and_batched_paths_give_identical_bytes(thread_server, shm_na
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
         for t in threads:
             t.start()
+        try:
+            wait_submitted(server.segment, len(reqs))  # all queued behind the gated batch
+        finally:
+            gate.set()
         for t in threads:
             t.join(30)
         batches = client.get_stats()["batch_size_histogram"]
@@ -428,12 +445,12 @@ def test_single_row_and_batched_paths_give_identical_bytes(thread_server, shm_na
 @pytest.mark.parametrize("lanes", [2, 4])
 def test_a_poisoned_row_fails_alone_with_several_lanes(thread_server, shm_name, lanes):
     decoder = GatedDecoder()
-    thread_server(decoder, max_batch=8, min_fill=0.0, max_batch_tokens=None, lanes=lanes)
+    server = thread_server(decoder, max_batch=8, min_fill=0.0, max_batch_tokens=None, lanes=lanes)
     reqs = _requests(33, 9)
     bad = (np.full(12, POISON), np.zeros(32, np.int64))
     with DecoderClient(shm_name, slots=10) as client:
-        threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set())).start()
-        results = _decode_all_concurrently(client, reqs[:5] + [bad] + reqs[5:], dtype="float32")
+        results = _decode_all_concurrently(client, reqs[:5] + [bad] + reqs[5:], dtype="float32",
+                                           gate=decoder.gate, server=server)  # fmt: skip
     assert isinstance(results[5], DecodeError) and "poisoned input" in str(results[5])
     for (sem, glb), pcm in zip(reqs, results[:5] + results[6:]):
         assert isinstance(pcm, np.ndarray), pcm
@@ -459,8 +476,8 @@ def test_the_pipelined_lane_gives_each_row_its_lone_decode_and_fails_a_poisoned_
         reqs = _requests(34, 10)
         bad = (np.full(12, POISON), np.zeros(32, np.int64))
         with DecoderClient(shm_name, slots=11) as client:
-            threading.Thread(target=lambda: (time.sleep(0.5), decoder.gate.set())).start()
-            results = _decode_all_concurrently(client, reqs[:4] + [bad] + reqs[4:], dtype="float32")
+            results = _decode_all_concurrently(client, reqs[:4] + [bad] + reqs[4:], dtype="float32",
+                                               gate=decoder.gate, server=server)  # fmt: skip
     finally:
         server.stop()
         thread.join(20)
@@ -495,7 +512,9 @@ def test_reaping_never_touches_a_slot_a_lane_holds(thread_server, shm_name):
         generations = seg.slots["generation"][busy].tolist()
         victim.kill()
         victim.wait()
-        time.sleep(0.5)  # ten reaper ticks
+        # A reaper pass now that the owner is dead (both lanes are gated, so the dispatcher
+        # may not tick until the gate opens): the held slots are not its to take.
+        server.reap()
         assert (seg.slots["state"][busy] == SlotState.BUSY).all()
         assert seg.slots["generation"][busy].tolist() == generations
         decoder.gate.set()

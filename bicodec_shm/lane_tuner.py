@@ -6,27 +6,31 @@ its state (cache, memory bandwidth, other tenants) and on the traffic (many shor
 one lane's larger batches; long utterances favour parallel narrow decodes). The same 2-core VM
 measured both orders an hour apart (benchmarks/RESULTS.md), so no constant holds.
 
-How: the tuner tries each arrangement on the live traffic in turn and keeps the one whose
-requests waited least per token of audio::
+How: the tuner tries each arrangement on the live traffic in turn and keeps the one that
+spends the least machine time per token of audio, measured on the batches it decodes::
 
-    score = sum(done - submitted) / sum(tokens)        seconds of latency per token, lower wins
+    score = sum(batch decode time) / sum(batch tokens) / lanes     lower wins
 
-With closed-loop clients (a worker sends its next request after its answer) the latency of a
-request is N / throughput, so the lowest score is the highest throughput; with open-loop
-traffic below saturation it is the lowest latency. Either way it is what a user sees.
+K lanes decode K batches at once, so a lane's decode time is worth 1/K of the machine's. The
+batches are the live traffic's, so the score carries everything that differs between the
+arrangements: a wide decode's thread scaling, narrow decodes running side by side (and
+contending for memory bandwidth), and the smaller batches that K lanes form from the same
+requests. It needs no request to finish its whole queueing (an end-to-end latency would), so a
+window closes after a few batches: on a full-size CPU decode of seconds a batch, a first choice
+comes within about a minute of traffic.
 
 Phases::
 
     EXPLORE   candidates are measured in the order  c0 c1 .. ck ck .. c1 c0  (each twice,
               mirrored, so that a drift in the traffic over the phase weighs on every
-              candidate alike); a window lasts until at least ``min_requests`` requests
-              submitted after it began are answered, and at least ``min_seconds``.
+              candidate alike); a window lasts until at least ``min_batches`` batches planned
+              after it began are decoded, and at least ``min_seconds``.
     HOLD      the best candidate runs (a challenger must beat the one running by ``margin``,
               so noise does not flip it); after ``hold_seconds``, explore again.
 
 Every choice is logged with the scores behind it. A fixed ``--lanes`` bypasses all of this.
-The tuner is pure bookkeeping (no threads, an injectable clock): the server feeds it answered
-requests and applies what it returns.
+The tuner is pure bookkeeping (no threads, an injectable clock): the server feeds it decoded
+batches and applies what it returns.
 """
 
 from __future__ import annotations
@@ -46,20 +50,20 @@ class LaneTuning:
     """The tuner's knobs (defaults sized for a CPU decode of 0.1–3 s per batch).
 
     Args:
-        min_requests: answered requests a window needs (only requests submitted after it began).
+        min_batches: decoded batches a window needs (only batches planned after it began).
         min_seconds: the shortest window.
         margin: how much lower (as a share) a challenger's score must be to replace the
             arrangement that ran before the phase.
         hold_seconds: how long a choice holds before the next exploration.
     """
 
-    min_requests: int = 12
+    min_batches: int = 6
     min_seconds: float = 2.0
     margin: float = 0.05
     hold_seconds: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.min_requests < 1 or self.min_seconds < 0 or self.hold_seconds < 0:
+        if self.min_batches < 1 or self.min_seconds < 0 or self.hold_seconds < 0:
             raise ValueError(f"bad lane tuning {self}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"lane tuning margin must be in [0, 1), got {self.margin}")
@@ -69,14 +73,14 @@ class LaneTuning:
 class _Window:
     lanes: int
     start_ns: int
-    requests: int = 0
+    batches: int = 0
     tokens: int = 0
-    latency_ns: int = 0
+    decode_ns: int = 0
 
     @property
     def score(self) -> float:
-        """Seconds of latency per token (inf if nothing was measured)."""
-        return self.latency_ns / 1e9 / self.tokens if self.tokens else float("inf")
+        """Machine seconds per token: decode time / tokens / lanes (inf if nothing measured)."""
+        return self.decode_ns / 1e9 / self.tokens / self.lanes if self.tokens else float("inf")
 
 
 @dataclass
@@ -89,7 +93,7 @@ class Choice:
 
 
 class LaneTuner:
-    """Picks the active lane count among ``candidates`` from measured latency per token.
+    """Picks the active lane count among ``candidates`` from measured machine time per token.
 
     Args:
         candidates: the lane counts to try, e.g. ``[1, 2]`` (each splits the cores evenly).
@@ -114,22 +118,22 @@ class LaneTuner:
 
     # -- the server's side ------------------------------------------------------------------
 
-    def observe(self, submitted_ns: np.ndarray, done_ns: int, tokens: np.ndarray) -> Choice | None:
-        """Count one published batch's requests ((B,) int64 submit times, one done time, (B,)
-        tokens); returns a new :class:`Choice` when the running arrangement should change."""
+    def observe(self, planned_ns: int, decode_ns: int, tokens: int) -> Choice | None:
+        """Count one decoded batch (when it was planned, monotonic ns; how long its decode took,
+        ns; its tokens); returns a new :class:`Choice` when the running arrangement should
+        change."""
         if self._window is None:  # holding
             if self._clock() - self._held_since < self.tuning.hold_seconds * 1e9:
                 return None
             self._begin_exploring(incumbent=self.lanes)
             return self._switch_to_window(reason="re-exploring after the hold")
         w = self._window
-        keep = submitted_ns >= w.start_ns  # requests queued under the previous arrangement do not count
-        if keep.any():
-            w.requests += int(keep.sum())
-            w.tokens += int(tokens[keep].sum())
-            w.latency_ns += int((done_ns - submitted_ns[keep]).clip(0).sum())
+        if planned_ns >= w.start_ns:  # batches of the previous arrangement do not count
+            w.batches += 1
+            w.tokens += int(tokens)
+            w.decode_ns += max(0, int(decode_ns))
         long_enough = self._clock() - w.start_ns >= self.tuning.min_seconds * 1e9
-        if w.requests < self.tuning.min_requests or not long_enough:
+        if w.batches < self.tuning.min_batches or not long_enough:
             return None
         self._scores.setdefault(w.lanes, []).append(w.score)
         self._plan.pop(0)
@@ -177,5 +181,6 @@ class LaneTuner:
     def _record(self, choice: Choice) -> Choice:
         self.history.append(choice)
         scores = ", ".join(f"{c} lane(s): {s * 1e3:.2f} ms/token" for c, s in sorted(choice.scores.items()))
-        log.info("lanes -> %d (%s)%s", choice.lanes, choice.reason, f"; latency per token: {scores}" if scores else "")
+        log.info("lanes -> %d (%s)%s", choice.lanes, choice.reason,
+                 f"; machine time per token: {scores}" if scores else "")  # fmt: skip
         return choice

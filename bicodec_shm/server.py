@@ -536,7 +536,7 @@ class DecoderServer:
             self._count_batch(batch, done_ns, elapsed_ns)
             if self._tuner is not None:
                 with self._tuner_lock:
-                    choice = self._tuner.observe(req.submitted_ns, done_ns, req.lengths)
+                    choice = self._tuner.observe(batch.started_ns, elapsed_ns, int(req.lengths.sum()))
                 if choice is not None:
                     self._apply_lanes(choice.lanes)
         except Exception:

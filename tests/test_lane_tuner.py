@@ -1,8 +1,8 @@
 """The lane count follows what is measured: a planted cost model decides, and ``lanes=`` wins.
 
 Two levels:
-- the tuner alone, fed requests whose latency a planted model gives each arrangement (a stepped
-  clock, no threads): it picks the faster, keeps the incumbent within its margin, and follows a
+- the tuner alone, fed batches whose decode time a planted model gives each arrangement (a
+  stepped clock, no threads): it picks the faster, keeps the incumbent within its margin, and follows a
   change of the traffic after its hold;
 - a real server with a decoder whose batch cost is planted per lane thread count (it sleeps, so
   the machine's own speed does not enter), fed by closed-loop client processes: it settles on
@@ -18,7 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -37,17 +36,19 @@ class _Clock:
         return self.ns
 
 
-def _drive(tuner: LaneTuner, clock: _Clock, latency_ms: dict[int, float], batches: int) -> None:
-    """Feed ``batches`` batches of 4 requests of 10 tokens; each waited ``latency_ms`` of the
-    arrangement running when it was sent (the planted model); 50 ms between batches."""
+def _drive(tuner: LaneTuner, clock: _Clock, machine_ms: dict[int, float], batches: int) -> None:
+    """Feed ``batches`` batches of 40 tokens, planned as the clock reads and decoded in
+    ``machine_ms[lanes] x lanes`` ms by a lane of the arrangement running then (so that each
+    arrangement costs ``machine_ms`` of machine time per batch: the planted model); 50 ms
+    between batches."""
     for _ in range(batches):
         lanes = tuner.lanes
-        submitted = np.full(4, clock.ns, np.int64)
+        planned = clock.ns
         clock.ns += 50_000_000
-        tuner.observe(submitted, clock.ns + int(latency_ms[lanes] * 1e6) - 50_000_000, np.full(4, 10))
+        tuner.observe(planned, int(machine_ms[lanes] * lanes * 1e6), 40)
 
 
-FAST = LaneTuning(min_requests=8, min_seconds=0.1, margin=0.05, hold_seconds=10.0)
+FAST = LaneTuning(min_batches=2, min_seconds=0.1, margin=0.05, hold_seconds=10.0)
 
 
 @pytest.mark.parametrize("planted, expected", [({1: 80.0, 2: 120.0}, 1), ({1: 120.0, 2: 80.0}, 2)])
@@ -58,8 +59,8 @@ def test_the_tuner_picks_what_the_planted_model_makes_faster(planted, expected):
     final = tuner.history[-1]
     assert final.reason.startswith("chosen")
     assert tuner.lanes == final.lanes == expected
-    # The numbers behind the choice are the planted ones: 80 or 120 ms over 10 tokens.
-    assert final.scores == pytest.approx({c: planted[c] / 1e3 / 10 for c in planted})
+    # The numbers behind the choice are the planted ones: 80 or 120 ms over 40 tokens.
+    assert final.scores == pytest.approx({c: planted[c] / 1e3 / 40 for c in planted})
     # Every candidate was measured twice, mirrored: 2 1 1 2.
     explored = [c.lanes for c in tuner.history[:-1]]
     assert explored == [1, 2]  # the switches: to 1 (second window), back to 2 (fourth)
@@ -82,12 +83,11 @@ def test_after_the_hold_it_explores_again_and_follows_the_traffic():
     assert [c.lanes for c in tuner.history if c.reason.startswith("chosen")][:2] == [1, 2]
 
 
-def test_requests_sent_before_a_switch_do_not_count_for_the_next_arrangement():
+def test_batches_planned_before_a_window_do_not_count_for_it():
     clock = _Clock()
-    tuner = LaneTuner([1, 2], start=2, tuning=LaneTuning(min_requests=4, min_seconds=0.0), clock=clock)
-    old = np.full(4, clock.ns - 1, np.int64)  # sent before the tuner's first window began
-    assert tuner.observe(old, clock.ns + 10**9, np.full(4, 10)) is None
-    assert tuner._window.requests == 0
+    tuner = LaneTuner([1, 2], start=2, tuning=LaneTuning(min_batches=1, min_seconds=0.0), clock=clock)
+    assert tuner.observe(clock.ns - 1, 10**9, 40) is None  # planned before the first window began
+    assert tuner._window.batches == 0
 
 
 def test_bad_tuner_settings_are_refused():
@@ -161,7 +161,7 @@ NARROW_WINS = dict(a_ms=5.0, b_ms=0.5, speedup={1: 1.0, 2: 1.0})
 def test_the_server_settles_on_the_arrangement_the_planted_model_makes_faster(
         model, expected, thread_server, shm_name, two_cores):  # fmt: skip
     decoder = PlantedCostDecoder(**model)
-    server = thread_server(decoder, lane_tuning=LaneTuning(min_requests=16, min_seconds=0.3,
+    server = thread_server(decoder, lane_tuning=LaneTuning(min_batches=6, min_seconds=0.3,
                                                            hold_seconds=600.0))  # fmt: skip
     assert server.lanes == 2 and server.max_lanes == 2
     procs = _closed_loop_clients(shm_name, 4, tokens=20)
@@ -183,7 +183,7 @@ def test_the_server_settles_on_the_arrangement_the_planted_model_makes_faster(
 
 def test_a_fixed_lane_count_is_never_changed(thread_server, shm_name, two_cores):
     decoder = PlantedCostDecoder(**WIDE_WINS)  # one lane would be faster
-    server = thread_server(decoder, lanes=2, lane_tuning=LaneTuning(min_requests=4, min_seconds=0.0))
+    server = thread_server(decoder, lanes=2, lane_tuning=LaneTuning(min_batches=1, min_seconds=0.0))
     procs = _closed_loop_clients(shm_name, 4, tokens=20)
     try:
         deadline = time.monotonic() + 60

@@ -57,7 +57,7 @@ class LaneTuning:
         hold_seconds: how long a choice holds before the next exploration.
     """
 
-    min_batches: int = 6
+    min_batches: int = 4
     min_seconds: float = 2.0
     margin: float = 0.05
     hold_seconds: float = 300.0

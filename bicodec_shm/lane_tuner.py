@@ -25,6 +25,8 @@ Phases::
               mirrored, so that a drift in the traffic over the phase weighs on every
               candidate alike); a window lasts until at least ``min_batches`` batches planned
               after it began are decoded, and at least ``min_seconds``.
+              After the first pass (every candidate measured once), a candidate that beats
+              every other by ``decisive`` is chosen at once: no mirror pass for a clear case.
     HOLD      the best candidate runs (a challenger must beat the one running by ``margin``,
               so noise does not flip it); after ``hold_seconds``, explore again.
 
@@ -54,12 +56,15 @@ class LaneTuning:
         min_seconds: the shortest window.
         margin: how much lower (as a share) a challenger's score must be to replace the
             arrangement that ran before the phase.
+        decisive: after one window each, a candidate this much lower than every other is
+            chosen without the mirror pass.
         hold_seconds: how long a choice holds before the next exploration.
     """
 
     min_batches: int = 4
     min_seconds: float = 2.0
     margin: float = 0.05
+    decisive: float = 0.2
     hold_seconds: float = 300.0
 
     def __post_init__(self) -> None:
@@ -137,7 +142,7 @@ class LaneTuner:
             return None
         self._scores.setdefault(w.lanes, []).append(w.score)
         self._plan.pop(0)
-        if self._plan:
+        if self._plan and not self._clear_winner():
             return self._switch_to_window(reason="exploring")
         return self._decide()
 
@@ -174,6 +179,14 @@ class LaneTuner:
         self.lanes = best
         self._record(choice)  # logged whether or not it changes what runs
         return choice if changed else None
+
+    def _clear_winner(self) -> bool:
+        """Every candidate measured, and one beats every other by ``decisive``."""
+        if len(self._scores) < len(self.candidates):
+            return False
+        means = self._means()
+        best = min(means, key=means.__getitem__)
+        return all(means[best] <= m * (1 - self.tuning.decisive) for c, m in means.items() if c != best)
 
     def _means(self) -> dict[int, float]:
         return {c: float(np.mean(s)) for c, s in self._scores.items()}

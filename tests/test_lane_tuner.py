@@ -61,9 +61,21 @@ def test_the_tuner_picks_what_the_planted_model_makes_faster(planted, expected):
     assert tuner.lanes == final.lanes == expected
     # The numbers behind the choice are the planted ones: 80 or 120 ms over 40 tokens.
     assert final.scores == pytest.approx({c: planted[c] / 1e3 / 40 for c in planted})
-    # Every candidate was measured twice, mirrored: 2 1 1 2.
-    explored = [c.lanes for c in tuner.history[:-1]]
-    assert explored == [1, 2]  # the switches: to 1 (second window), back to 2 (fourth)
+    # A 1.5x difference is decisive: chosen after one window each (2, then 1).
+    assert [c.lanes for c in tuner.history[:-1]] == [1]
+
+
+def test_a_clear_winner_is_chosen_after_one_pass_a_close_one_after_the_mirror_pass():
+    clock = _Clock()
+    tuner = LaneTuner([1, 2], start=2, tuning=FAST, clock=clock)
+    _drive(tuner, clock, {1: 60.0, 2: 100.0}, batches=40)  # 1 lane 40% cheaper: decisive
+    assert [c.lanes for c in tuner.history] == [1, 1]  # explore 1, then chosen: no way back to 2
+    assert tuner.history[-1].reason.startswith("chosen") and len(tuner._scores[1]) == 1
+    clock = _Clock()
+    tuner = LaneTuner([1, 2], start=2, tuning=FAST, clock=clock)
+    _drive(tuner, clock, {1: 90.0, 2: 100.0}, batches=40)  # 10% cheaper: measured twice each
+    chosen = tuner.history[-1]
+    assert chosen.lanes == 1 and chosen.reason.startswith("chosen") and len(tuner._scores[1]) == 2
 
 
 def test_within_the_margin_the_incumbent_stays():

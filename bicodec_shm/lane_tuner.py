@@ -172,8 +172,9 @@ class LaneTuner:
             best = incumbent  # not clearly better: keep what ran before
         self._window = None
         self._held_since = self._clock()
-        ratio = means[incumbent] / means[best] if means[best] > 0 else float("inf")
-        reason = f"chosen after exploring ({ratio:.2f}x the previous arrangement)"
+        runner_up = min((m for c, m in means.items() if c != best), default=means[best])
+        ratio = runner_up / means[best] if means[best] > 0 else float("inf")
+        reason = f"chosen after exploring: the next best costs {ratio:.2f}x per token"
         choice = Choice(best, reason, means)
         changed = best != self.lanes
         self.lanes = best

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -178,6 +179,18 @@ class SteppedDecoder:
         with self._cond:
             self._opened += 1
             self._cond.notify_all()
+
+
+def reap(proc, timeout: float = 30.0) -> None:
+    """Wait for ``proc`` (a ``subprocess.Popen``) to exit, kill it after ``timeout`` seconds,
+    and close its stdout pipe."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "a condition") -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import reap
+
 from bicodec_shm.lane_tuner import LaneTuner, LaneTuning
 from bicodec_shm.lanes import lane_threads
 from bicodec_shm.transport import stats_from_header
@@ -154,12 +156,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         p.stdin.close()
     for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        p.stdout.close()
+        reap(p)
 
 
 # Wide wins: a large fixed cost that two threads halve; one lane's batch of 4 costs half of

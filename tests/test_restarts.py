@@ -22,6 +22,7 @@ from support import (
     GatedDecoder,
     assert_lone_int16,
     join_within,
+    reap,
     reference_model,
     seeded_request,
     wait_for,
@@ -256,12 +257,7 @@ def test_two_servers_started_at_the_same_moment_exactly_one_serves(tmp_path):
                     p.send_signal(signal.SIGTERM)
         for name, pair in procs.items():
             for p in pair:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                p.stdout.close()
+                reap(p)
             left = leftover_objects(name)
             unlink_all(name)
             assert left == [], left

@@ -51,7 +51,7 @@ from .batching import (
 )
 from .errors import BiCodecShmError, ServerUnavailableError
 from .lane_tuner import LaneTuner, LaneTuning
-from .lanes import STOP, Decoded, Lane, Runner
+from .lanes import STOP, Decoded, Lane, Runner, lane_threads
 from .model.devices import exact_cuda_math
 from .processes import on_stop_signals
 from .slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
@@ -534,7 +534,9 @@ class DecoderServer:
             return
         try:
             self._count_batch(batch, done_ns, elapsed_ns)
-            if self._tuner is not None:
+            # Only a batch decoded with the thread count of the arrangement being measured: right
+            # after a switch, a lane being parked may still finish one with its old count.
+            if self._tuner is not None and lane_threads() == max(1, self._cores // self._tuner.lanes):
                 with self._tuner_lock:
                     choice = self._tuner.observe(batch.started_ns, elapsed_ns, int(req.lengths.sum()))
                 if choice is not None:

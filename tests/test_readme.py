@@ -285,18 +285,23 @@ class Session:
             time.sleep(0.2)
         pytest.fail(f"{bg.block}: `{bg.command}` did not answer on port {port}:\n{bg.tail()}")
 
-    def stop_all(self) -> None:
-        """Ctrl-C to everything in the background, as a reader would; SIGKILL if it hangs."""
+    def stop_all(self) -> str:
+        """Ctrl-C to everything in the background, as a reader would; SIGKILL if it hangs.
+        Returns the logs of what had to be killed (empty if everything stopped)."""
         for bg in self.background:
             if bg.proc.poll() is None:
                 os.killpg(bg.proc.pid, signal.SIGINT)
+        hung = []
         for bg in self.background:
             try:
                 bg.proc.wait(30)
             except subprocess.TimeoutExpired:
+                hung.append(bg)
                 os.killpg(bg.proc.pid, signal.SIGKILL)
                 bg.proc.wait()
+        logs = "".join(f"\n--- killed after 30 s, `{bg.command}`:\n{bg.tail()}" for bg in hung)
         self.background = [bg for bg in self.background if bg.proc.poll() is None]
+        return logs
 
     def _background_logs(self) -> str:
         return "".join(f"\n--- background `{bg.command}`:\n{bg.tail()}" for bg in self.background)
@@ -322,10 +327,11 @@ def test_the_document_runs_top_to_bottom(document, tmp_path):
         for block in blocks(document):
             session.run(block)
     finally:
-        session.stop_all()
+        logs = session.stop_all()
         left = leftover_objects(session.name)
         unlink_all(session.name)
-    assert left == [], f"the document's servers left {left} in /dev/shm"
+    # Which server did not stop, and what it said, rather than only the objects' names.
+    assert left == [], f"the document's servers left {len(left)} objects ({left[:3]} ...) in /dev/shm:{logs}"
     check_outputs(document, tmp_path)
     assert any(SERVE.search(command) for command in session.ran), "no server started: DOCUMENTS?"
     reasons = {why for _, why in session.skipped}

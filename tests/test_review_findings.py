@@ -205,6 +205,10 @@ def test_s6_batch_order_and_queue_times_never_trust_a_client_written_time():
         assert not failures and len(req) == 3
         assert (req.submitted_ns <= seen).all() and (req.submitted_ns >= seen - TRUSTED_QUEUE_NS).all()
         assert req.seen_ns.tolist() == seen.tolist()  # what the batch order is keyed on
+        for slot in range(3):  # one slot alone takes the scalar path (_check_one): the same rule
+            one, failures = check_headers(seg, np.array([slot]), seen[:1], n_bells=3)
+            assert not failures and len(one) == 1
+            assert seen[0] - TRUSTED_QUEUE_NS <= int(one.submitted_ns[0]) <= seen[0]
     finally:
         seg.stop_serving()
         seg.unlink()

@@ -682,7 +682,10 @@ class DecoderServer:
         if reclaimed:
             with self._counters_lock:
                 seg.counters[C_RECLAIMED] += reclaimed
-            log.info("reclaimed %d slot(s) of dead clients", reclaimed)
+            # Not only the dead: an idle client leaves one warm slot unlocked (attachment.py),
+            # and a request that timed out lets go of its slot; both come back here.
+            log.info("reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)",
+                     reclaimed)
         return reclaimed
 
     def _on_stop_signal(self, signum: int) -> None:

@@ -220,8 +220,10 @@ class DecoderServer:
         # order goes by this, not by a time the client wrote.
         self._confirmed: dict[int, int] = {}
         # The validated private copies of the confirmed slots' headers, checked once, when
-        # confirmed (rows of slots no longer confirmed are dropped lazily).
-        self._checked: Requests | None = None
+        # confirmed, in the chunks they were confirmed in: merged only when a batch is planned
+        # (a wake-up of the fill window costs no concatenation). Rows of slots no longer
+        # confirmed are dropped lazily.
+        self._checked: list[Requests] = []
         self._answered: set[int] = set()  # slots answered since the last batch was planned
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
@@ -415,16 +417,17 @@ class DecoderServer:
         seg = self.segment
         while not self._stop.is_set():
             self._reap_if_due()
-            ready = self._ready_requests(seg)
-            if ready is None:
+            waiting = self._scan(seg)
+            if not waiting:
                 if not block:
                     return None
                 self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
                 continue
-            if self.rejoin_ms > 0 and len(ready) < self.max_batch:
-                ready = self._let_answered_clients_rejoin(seg, ready)
-            if self.max_wait_ms > 0 and len(ready) < self.max_batch:
-                ready = self._let_batch_grow(seg, ready)
+            if self.rejoin_ms > 0 and waiting < self.max_batch:
+                waiting = self._let_answered_clients_rejoin(seg, waiting)
+            if self.max_wait_ms > 0 and waiting < self.max_batch:
+                self._let_batch_grow(seg, waiting)
+            ready = self._ready_requests()
             self._answered.clear()
             chosen = plan_batch(ready.lengths, ready.seen_ns, max_batch=self.max_batch,
                                 max_batch_tokens=self.max_batch_tokens, min_fill=self.min_fill)  # fmt: skip
@@ -442,8 +445,16 @@ class DecoderServer:
                 return batch
         return None
 
-    def _ready_requests(self, seg: Segment) -> Requests | None:
-        """Every READY slot whose request may be read (its req.I taken), validated."""
+    def _ready_requests(self) -> Requests:
+        """The confirmed requests found by ``_scan``, validated, as one ``Requests``."""
+        chunks = self._checked
+        if len(chunks) > 1:
+            self._checked = chunks = [Requests.concat(chunks)]
+        return chunks[0]
+
+    def _scan(self, seg: Segment) -> int:
+        """Confirm every READY slot whose request may be read (its req.I taken) and validate
+        its header; returns how many confirmed requests wait (``_ready_requests``)."""
         drain(seg.ready)  # wake-ups only: everything READY is looked at below
         confirmed, held = self._confirmed, self._held  # (membership tests only: GIL-atomic)
         now = None
@@ -452,13 +463,14 @@ class DecoderServer:
             if slot not in confirmed and slot not in held and _take_post(seg.req(slot)):
                 confirmed[slot] = now = now or time.monotonic_ns()
                 new.append(slot)
-        checked = self._checked
-        if checked is not None and len(checked) != len(confirmed) - len(new):
+        chunks = self._checked
+        if chunks and sum(map(len, chunks)) != len(confirmed) - len(new):
             # Some left (batched, reaped, failed): keep the rows of the same confirmation (a
             # slot batched and confirmed again since has a new row, and new seen time).
+            checked = Requests.concat(chunks)
             keep = [i for i, (s, t) in enumerate(zip(checked.slots.tolist(), checked.seen_ns.tolist()))
                     if confirmed.get(s) == t]  # fmt: skip
-            checked = checked.take(np.asarray(keep, np.int64)) if keep else None
+            chunks = [checked.take(np.asarray(keep, np.int64))] if keep else []
         if new:
             # Each header is copied and checked once, when its request is confirmed: its
             # private copy then stands (later client writes cannot reach it).
@@ -470,11 +482,12 @@ class DecoderServer:
             if len(requests) != len(new):
                 for slot in set(new) - set(requests.slots.tolist()):
                     confirmed.pop(slot, None)  # not READY after all, or answered above
-            checked = requests if checked is None else checked.plus(requests)
-        self._checked = checked if checked is not None and len(checked) else None
-        return self._checked
+            if len(requests):
+                chunks = [*chunks, requests]
+        self._checked = chunks
+        return sum(map(len, chunks))
 
-    def _let_answered_clients_rejoin(self, seg: Segment, ready: Requests) -> Requests:
+    def _let_answered_clients_rejoin(self, seg: Segment, waiting: int) -> int:
         """Wait up to rejoin_ms for the clients answered since the last batch was planned to
         send their next request, so that a busy client does not miss every other batch.
 
@@ -487,26 +500,27 @@ class DecoderServer:
             # A Python loop: np.isin costs ~40 us per call, a few slots here cost ~1 us.
             return any(int(states[slot]) in _COMING_BACK for slot in list(self._answered))
 
-        return self._wait_for_more(seg, ready, self.rejoin_ms, keep_waiting=someone_may_come_back)
+        return self._wait_for_more(seg, waiting, self.rejoin_ms, keep_waiting=someone_may_come_back)
 
-    def _let_batch_grow(self, seg: Segment, ready: Requests) -> Requests:
+    def _let_batch_grow(self, seg: Segment, waiting: int) -> int:
         """Wait up to max_wait_ms for more requests."""
-        return self._wait_for_more(seg, ready, self.max_wait_ms)
+        return self._wait_for_more(seg, waiting, self.max_wait_ms)
 
-    def _wait_for_more(self, seg: Segment, ready: Requests, wait_ms: float,
-                       keep_waiting: Callable[[], bool] | None = None) -> Requests:  # fmt: skip
+    def _wait_for_more(self, seg: Segment, waiting: int, wait_ms: float,
+                       keep_waiting: Callable[[], bool] | None = None) -> int:  # fmt: skip
         """Take in whatever becomes ready for up to ``wait_ms``, sleeping on the doorbell (never
-        spinning), until the batch is full or ``keep_waiting()`` turns False."""
+        spinning), until the batch is full or ``keep_waiting()`` turns False; returns how many
+        confirmed requests wait then."""
         deadline = time.monotonic() + wait_ms / 1000
-        while len(ready) < self.max_batch and not self._stop.is_set():
+        while waiting < self.max_batch and not self._stop.is_set():
             if keep_waiting is not None and not keep_waiting():
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self._wait_doorbell(seg, left)
-            ready = self._ready_requests(seg) or ready
-        return ready
+            waiting = self._scan(seg)
+        return waiting
 
     def _wait_doorbell(self, seg: Segment, timeout: float) -> None:
         try:

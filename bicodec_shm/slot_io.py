@@ -93,16 +93,17 @@ class Requests:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def plus(self, more: Requests) -> Requests:
-        """These rows followed by ``more``'s, as a new ``Requests``."""
-        if not len(more):
-            return self
-        if not len(self):
-            return more
-        if any((a is None) != (b is None) for a, b in zip(self._columns(), more._columns())):
-            raise ValueError("Requests.plus: one side has a column the other lacks")
-        return Requests(*(None if a is None else np.concatenate((a, b))
-                          for a, b in zip(self._columns(), more._columns())))  # fmt: skip
+    @classmethod
+    def concat(cls, parts: list[Requests]) -> Requests:
+        """The rows of ``parts`` (at least one), in order, as one ``Requests``: one
+        concatenation per column, however many parts."""
+        parts = [p for p in parts if len(p)] or parts[:1]
+        if len(parts) == 1:
+            return parts[0]
+        columns = list(zip(*(p._columns() for p in parts)))
+        if any(len({c is None for c in column}) > 1 for column in columns):
+            raise ValueError("Requests.concat: some parts have a column that others lack")
+        return cls(*(None if column[0] is None else np.concatenate(column) for column in columns))
 
     def _columns(self) -> list[np.ndarray | None]:
         """Every field, in declaration order (a new field is then never left out)."""

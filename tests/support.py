@@ -221,7 +221,7 @@ def wait_submitted(segment, count: int, timeout: float = 30.0) -> None:
 
 class ReadLog:
     """Records what a ``DecoderServer``'s dispatcher reads: the slots of every non-empty scan
-    of the table (``_ready_requests``), in order. So a test waits until the server has seen a
+    of the table (``_scan``), in order. So a test waits until the server has seen a
     request, rather than sleep and hope it has."""
 
     def __init__(self, server) -> None:
@@ -229,17 +229,17 @@ class ReadLog:
 
         self.reads: list[list[int]] = []
         self._cond = threading.Condition()
-        real = server._ready_requests
+        real = server._scan
 
         def recording(seg):
-            ready = real(seg)
-            if ready is not None:
+            waiting = real(seg)
+            if waiting:  # every confirmed request waiting after this scan
                 with self._cond:
-                    self.reads.append(ready.slots.tolist())
+                    self.reads.append([s for chunk in server._checked for s in chunk.slots.tolist()])
                     self._cond.notify_all()
-            return ready
+            return waiting
 
-        server._ready_requests = recording  # the dispatcher looks it up on every scan
+        server._scan = recording  # the dispatcher looks it up on every scan
 
     def __len__(self) -> int:
         with self._cond:

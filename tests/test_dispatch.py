@@ -1,4 +1,4 @@
-"""The dispatcher's bookkeeping of confirmed requests (server.py, ``_ready_requests``).
+"""The dispatcher's bookkeeping of confirmed requests (server.py, ``_scan``).
 
 A confirmed request's header is copied and checked once, and the validated rows are kept
 between calls. A slot that was batched and sends its next request before the dispatcher looks
@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from support import reference_model, single_decode, wait_for
 
@@ -42,7 +43,7 @@ def test_a_slot_sent_again_right_after_its_answer_is_batched_once_with_its_new_r
             np.testing.assert_allclose(client.decode(sem, glb, dtype="float32"), single_decode(sem, glb),
                                        atol=1e-5, rtol=0)  # fmt: skip
     assert decoder.rows == [1] * 6  # one client, one request at a time: never a stale second row
-    assert server._checked is None or len(server._checked) == 0
+    assert sum(map(len, server._checked)) == 0
 
 
 def test_a_slot_confirmed_again_before_the_dispatcher_looked_in_between_keeps_one_row(shm_name):
@@ -78,3 +79,29 @@ def test_a_slot_confirmed_again_before_the_dispatcher_looked_in_between_keeps_on
             np.testing.assert_allclose(pcm, single_decode(sem, glb), atol=1e-5, rtol=0)
     finally:
         server.close()
+
+
+def _requests(slots, start_frames=True):
+    from bicodec_shm.slot_io import Requests
+
+    n = len(slots)
+    u32 = np.arange(n, dtype=np.uint32)
+    return Requests(np.asarray(slots, np.int64), np.arange(1, n + 1, dtype=np.int64),
+                    np.arange(3 * n, dtype=np.uint64).reshape(n, 3), u32, u32 + 1,
+                    np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) + 10,
+                    np.arange(n, dtype=np.uint64), u32 + 2, u32 + 3 if start_frames else None)  # fmt: skip
+
+
+def test_confirmed_chunks_concatenate_every_column_in_order():
+    from dataclasses import fields
+
+    from bicodec_shm.slot_io import Requests
+
+    parts = [_requests([4]), _requests([]), _requests([1, 7])]
+    merged = Requests.concat(parts)
+    for f in fields(Requests):  # every column, SNAC's included: none may be left out
+        want = np.concatenate([getattr(p, f.name) for p in parts])
+        np.testing.assert_array_equal(getattr(merged, f.name), want, err_msg=f.name)
+    assert Requests.concat([parts[0]]) is parts[0]
+    with pytest.raises(ValueError, match="column"):
+        Requests.concat([_requests([1]), _requests([2], start_frames=False)])

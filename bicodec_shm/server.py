@@ -426,7 +426,9 @@ class DecoderServer:
             if self.rejoin_ms > 0 and waiting < self.max_batch:
                 waiting = self._let_answered_clients_rejoin(seg, waiting)
             if self.max_wait_ms > 0 and waiting < self.max_batch:
-                self._let_batch_grow(seg, waiting)
+                waiting = self._let_batch_grow(seg, waiting)
+            if not waiting:  # every one left while we waited (reaped, say): look again
+                continue
             ready = self._ready_requests()
             self._answered.clear()
             chosen = plan_batch(ready.lengths, ready.seen_ns, max_batch=self.max_batch,

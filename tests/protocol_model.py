@@ -263,7 +263,7 @@ class _Step:
         srv, slots = s.servers[inc], s.slots[inc]
         held = {h[0]: h for h in srv.held}
         for i, slot in enumerate(slots):
-            # _ready_requests: a READY slot (a hint) not yet confirmed nor held: take req.I.
+            # _scan: a READY slot (a hint) not yet confirmed nor held: take req.I.
             if slot.state == READY and i not in srv.confirmed and i not in held and slot.req_posts:
                 s2 = self.with_slot(s, inc, i, slot._replace(req_posts=slot.req_posts - 1))
                 self.emit(f"server takes req.{i}",

@@ -382,6 +382,60 @@ def test_ideal_batcher_from_hand_made_numbers():
         standin.ideal_run(mix, 0, 2, max_batch=16, max_batch_tokens=None, a_ms=1, b_ms=0)
 
 
+def test_pipelined_ideal_from_hand_made_numbers():
+    """3 clients, 2 rows a batch, 30 ms each. The ideal plans every batch from all three:
+    [2, 2, 2] in 100 ms. A pipelined lane plans batch 2 while batch 1 (clients 0 and 1) runs:
+    only client 2 is outstanding, so [2, 1, ...]; batch 3 is planned while batch 2 runs, from
+    clients 0 and 1, back at batch 1's end: [2, 1, 2], and the 4th would end at 120 ms."""
+    mix = workload.parse_mix("50")
+    kw = dict(max_batch=2, max_batch_tokens=None, a_ms=30, b_ms=0, window_s=0.1)
+    ideal = standin.ideal_run(mix, 0, 3, **kw)
+    piped = standin.ideal_run(mix, 0, 3, pipelined=True, **kw)
+    assert (ideal.batch_sizes, ideal.requests) == ([2, 2, 2], 6)
+    assert (piped.batch_sizes, piped.requests, piped.tokens) == ([2, 1, 2], 5, 250)
+    assert piped.seconds == 0.1 and piped.busy_seconds == pytest.approx(0.09)
+    # When every batch takes every client, nothing is left to queue behind the running batch:
+    # the next one is planned at its end, from its clients, and the two batchers agree.
+    kw["max_batch"] = 16
+    assert standin.ideal_run(mix, 0, 2, pipelined=True, **kw).batch_sizes == [2, 2, 2]
+    # Count mode ends when every client has had its requests, the running batch's included.
+    piped = standin.ideal_run(mix, 0, 3, pipelined=True, max_batch=2, max_batch_tokens=None,
+                              a_ms=30, b_ms=0, requests=2)  # fmt: skip
+    assert piped.requests == 6 and sum(piped.batch_sizes) == 6
+
+
+def test_pipelined_ideal_never_beats_the_ideal_and_nears_it_as_clients_grow():
+    """The bench's mix with the modern preset: a pipelined lane plans from N minus the running
+    batch, so it loses most with few clients."""
+    mix = workload.parse_mix(workload.DEFAULT_MIX)
+    shares = []
+    for n in (2, 4, 16, 64):
+        kw = dict(max_batch=16, max_batch_tokens=512, a_ms=4.0, b_ms=0.006, window_s=20)
+        ideal, piped = standin.ideal_run(mix, 0, n, **kw), standin.ideal_run(mix, 0, n, pipelined=True, **kw)
+        shares.append(piped.tokens / ideal.tokens)
+        assert np.mean(piped.batch_sizes) <= np.mean(ideal.batch_sizes)
+    assert all(0 < s <= 1 for s in shares)
+    assert shares == sorted(shares) and shares[0] < 0.8 and shares[-1] > 0.95, shares
+
+
+@pytest.mark.timeout(300)
+def test_an_asynchronous_stand_in_run_adds_the_pipelined_ideal(tmp_path):
+    out = tmp_path / "modern.json"
+    code = bench.main(["--model", "stand-in", "--stand-in", "modern", "--systems", "shm",
+                       "--n", "2", "--window", "0.5", "--repeats", "1", "--no-progress",
+                       "--no-plot", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert "planned when batch k starts" in report["config"]["stand_in"]["pipelined_ideal"]
+    systems = [r["system"] for r in report["results"]]
+    assert systems == [config.SHM, config.IDEAL, config.PIPELINED_IDEAL]
+    ratios = report["comparison"]["2"]
+    assert ratios[config.SHM]["vs_pipelined_ideal"]["median"] > 0
+    piped = ratios[config.PIPELINED_IDEAL]["vs_ideal"]["median"]
+    assert 0 < piped <= 1
+    assert _live_children() == []
+
+
 @pytest.mark.timeout(120)
 def test_stand_in_per_process_decodes_one_at_a_time_through_the_lock(tmp_path):
     from tqdm import tqdm

@@ -31,14 +31,17 @@ derives the defaults A ≈ 29.2, B ≈ 0.0167 from the seed's 10 x 30 ms vs one 
 Its decoder-per-process baseline takes one cross-process lock around every decode, the one
 device the processes time-slice. Its rows add ``ideal batcher (computed)``: every batch
 planned from all N outstanding requests with zero overhead; ``x ideal`` is the share of the
-ideal batching gain a system keeps.
+ideal batching gain a system keeps. An asynchronous stand-in (``--stand-in modern``) also adds
+``pipelined ideal (computed)``: the same, held to one pipelined lane, which plans each batch
+while the one before it runs and so without that batch's clients; ``x pipelined ideal`` is the
+share of what a pipelined lane can reach at all.
 
 Per system and N, as median (min-max) over the repeats: audio seconds decoded per wall second,
 requests per second, p50/p99 request latency as the client sees it, CPU seconds per audio
 second, the average batch size and padding, the peak of the summed resident memory (RSS) of
 the system's processes (sampled with psutil every ``--sample-ms``), and the share of the
 machine's CPU that *other* processes used meanwhile (the noise). Ratios (against the limit,
-the decoder per process, the queue server, the ideal batcher) are computed within each repeat
+the decoder per process, the queue server, the ideal batchers) are computed within each repeat
 and then summarised.
 
 ``--sweep`` instead runs bicodec-shm alone at one N over a grid of ``max_wait_ms`` and
@@ -124,7 +127,7 @@ from .report import (
     targets,
 )
 from .sampling import _cores, environment
-from .standin import DEFAULT_A_MS, DEFAULT_B_MS, IDEAL_DEFINITION, STAND_IN_PRESETS
+from .standin import DEFAULT_A_MS, DEFAULT_B_MS, IDEAL_DEFINITION, PIPELINED_DEFINITION, STAND_IN_PRESETS
 from .systems import per_process_threads
 from .workload import DEFAULT_MIX, default_mix, parse_mix, requests_per_client
 
@@ -501,6 +504,8 @@ def run_and_report(args: argparse.Namespace) -> int:
         report["config"]["stand_in"] = {"a_ms": a, "b_ms": b, "cost": "a + b x rows x longest ms",
                                         "asynchronous": setup.stand_in_async,
                                         "ideal": IDEAL_DEFINITION}  # fmt: skip
+        if setup.stand_in_async:
+            report["config"]["stand_in"]["pipelined_ideal"] = PIPELINED_DEFINITION
     failed = sum(r.failed for r in results)
     if args.sweep:
         report["config"].update(sweep_wait=list(args.sweep_wait), sweep_tokens=list(args.sweep_tokens))

@@ -17,6 +17,8 @@ LIMIT = "limit (no IPC)"
 PER_PROCESS = "decoder per process"
 QUEUE = "queue server"
 IDEAL = "ideal batcher (computed)"  # the stand-in only; see standin.py
+PIPELINED_IDEAL = "pipelined ideal (computed)"  # an asynchronous stand-in only; see standin.py
+COMPUTED = (IDEAL, PIPELINED_IDEAL)  # not run: listed after the measured systems of their N
 SYSTEMS = (SHM, LIMIT, PER_PROCESS, QUEUE)  # run order: the limit replays bicodec-shm's batches
 SYSTEM_KEYS = {"shm": SHM, "limit": LIMIT, "per-process": PER_PROCESS, "queue": QUEUE}
 

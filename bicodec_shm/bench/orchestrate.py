@@ -77,6 +77,8 @@ def bench_all(setup: Setup, ns: Sequence[int], *, requests: dict[int, int] | Non
                             on_result(results)
                     if setup.stand_in:
                         results.append(bench_ideal(setup, n, count=count))
+                    if setup.stand_in and setup.stand_in_async:  # what a pipelined lane can reach
+                        results.append(bench_ideal(setup, n, count=count, pipelined=True))
                     for result in results[done:]:
                         result.repeat = r
     finally:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import IDEAL, LIMIT, PER_PROCESS, QUEUE, SHM, TARGETS, Target
+from .config import COMPUTED, IDEAL, LIMIT, PER_PROCESS, PIPELINED_IDEAL, QUEUE, SHM, TARGETS, Target
 from .results import RunResult
 from .workload import DEFAULT_MIX, Band, parse_mix
 
@@ -37,6 +37,7 @@ RATIOS = (
     ("vs_per_process", "x per-proc", PER_PROCESS, "audio_s_per_s"),
     ("vs_queue", "x queue", QUEUE, "audio_s_per_s"),
     ("vs_ideal", "x ideal", IDEAL, "audio_s_per_s"),
+    ("vs_pipelined_ideal", "x pipelined ideal", PIPELINED_IDEAL, "audio_s_per_s"),
     ("memory_vs_per_process", "mem x per-proc", PER_PROCESS, "peak_rss_mib"),
 )
 
@@ -66,9 +67,9 @@ def _measured(results: Sequence[RunResult]) -> list[RunResult]:
 
 
 def _order(results: Sequence[RunResult]) -> list[tuple[int, str]]:
-    """(N, system) in the order they first ran, the ideal batcher after the rest of its N."""
+    """(N, system) in the order they first ran, the computed systems after the rest of its N."""
     seen: dict[tuple[int, str], None] = {}
-    for r in sorted(results, key=lambda r: (r.n_clients, r.system == IDEAL)):
+    for r in sorted(results, key=lambda r: (r.n_clients, r.system in COMPUTED)):
         seen.setdefault((r.n_clients, r.system), None)
     return list(seen)
 

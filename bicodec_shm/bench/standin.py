@@ -34,6 +34,16 @@ as the server (``batching.plan_batch``: ``max_batch``, ``max_batch_tokens``), an
 back to back, each costing exactly ``a + b·B·T`` (no sleep overshoot). It is computed, not run:
 simulated time advances by each batch's cost, and, as in a measured window, a batch that
 would end after the window closes is not counted.
+
+The pipelined ideal (``ideal_run(..., pipelined=True)``, asynchronous stand-ins only): the
+same zero-overhead batcher, held to what one pipelined lane can do. A pipelined lane plans batch
+k+1 while batch k runs, so that the device never waits for the host; but batch k's clients are
+back only when it ends, so batch k+1 is planned from the requests outstanding *without* them
+(with none outstanding, it is planned when batch k ends, from its clients). The ideal batcher
+plans every batch from all N; the pipelined ideal from N minus the running batch. At N = 16
+with the modern preset and the bench's defaults this bounds a pipelined server at ~0.92 of the
+ideal with zero overhead (benchmarks/RESULTS.md), so the ratio to it says how much of what a
+pipelined lane can reach the server reaches; the rest of the gap to the ideal is the pipeline's.
 """
 
 from __future__ import annotations
@@ -54,6 +64,12 @@ IDEAL_DEFINITION = (
     "(batching.plan_batch, the run's max_batch and max_batch_tokens) from all N outstanding "
     "requests, batches back to back at exactly a + b x rows x longest ms each, zero IPC or "
     "host overhead; computed, not run; a batch ending after the window is not counted"
+)
+PIPELINED_DEFINITION = (
+    "the ideal batcher held to one pipelined lane: batch k+1 is planned when batch k starts, from "
+    "the requests outstanding then (batch k's clients are back only when it ends; with none "
+    "outstanding, it is planned at batch k's end, from them); batches back to back, zero overhead; "
+    "computed, not run"
 )
 DEFAULT_A_MS = 30.0 - 50 / 60  # ≈ 29.17 ms, see the module docstring
 DEFAULT_B_MS = 1 / 60  # ms per padded token (row x longest length)
@@ -186,20 +202,32 @@ class IdealRun:
 
 def ideal_run(mix: Sequence[Band], seed: int, n_clients: int, *, max_batch: int,
               max_batch_tokens: int | None, a_ms: float, b_ms: float,
-              window_s: float | None = None, requests: int | None = None) -> IdealRun:  # fmt: skip
+              window_s: float | None = None, requests: int | None = None,
+              pipelined: bool = False) -> IdealRun:  # fmt: skip
     """The ideal batcher (module docstring) for ``n_clients``: for ``window_s`` seconds, or
-    until each client has had ``requests`` requests decoded (exactly one must be given)."""
+    until each client has had ``requests`` requests decoded (exactly one must be given).
+    ``pipelined``: the pipelined ideal instead (module docstring)."""
     if (window_s is None) == (requests is None):
         raise ValueError("give exactly one of window_s and requests")
     streams = [itertools.islice(length_stream(mix, seed, i), requests) for i in range(n_clients)]
     order = itertools.count()  # submission order: requests left out of a batch stay oldest
-    pending = []
-    for i, stream in enumerate(streams):
-        length = next(stream, None)
-        if length is not None:
-            pending.append(Pending(i, length, next(order)))
+
+    def next_requests(clients: Sequence[int]) -> list[Pending]:
+        """Each client's next request, ready the instant its reply is (zero overhead)."""
+        out = []
+        for i in clients:
+            length = next(streams[i], None)
+            if length is not None:
+                out.append(Pending(i, length, next(order)))
+        return out
+
+    pending = next_requests(range(n_clients))
+    running: list[int] = []  # pipelined: the clients of the batch on the device, not back yet
     out = IdealRun()
-    while pending:
+    while pending or running:
+        if not pending:  # nothing to queue behind the running batch: plan at its end
+            pending, running = next_requests(running), []
+            continue
         batch = plan(pending, max_batch=max_batch, max_batch_tokens=max_batch_tokens)
         longest = batch[0].length  # plan_batch sorts longest first
         cost = cost_ms(len(batch), longest, a_ms=a_ms, b_ms=b_ms) / 1000
@@ -213,10 +241,10 @@ def ideal_run(mix: Sequence[Band], seed: int, n_clients: int, *, max_batch: int,
         out.batch_sizes.append(len(batch))
         taken = {p.key for p in batch}
         pending = [p for p in pending if p.key not in taken]
-        for p in batch:  # the client's next request is ready at once: zero overhead
-            length = next(streams[p.key], None)
-            if length is not None:
-                pending.append(Pending(p.key, length, next(order)))
+        clients = [p.key for p in batch]
+        if pipelined:  # this batch starts as the running one ends: those clients come back
+            clients, running = running, clients
+        pending += next_requests(clients)
     if window_s is not None:
         out.seconds = window_s
     return out

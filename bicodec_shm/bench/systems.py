@@ -39,6 +39,7 @@ from .config import (
     LIMIT,
     NAME_PREFIX,
     PER_PROCESS,
+    PIPELINED_IDEAL,
     QUEUE,
     START_TIMEOUT,
     Policy,
@@ -309,18 +310,21 @@ def bench_queue(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sam
     return result
 
 
-def bench_ideal(setup: Setup, n: int, *, count: int | None = None) -> RunResult:
-    """The stand-in's ideal batcher at ``n`` clients (standin.py): computed, not run."""
+def bench_ideal(setup: Setup, n: int, *, count: int | None = None, pipelined: bool = False) -> RunResult:
+    """The stand-in's ideal batcher at ``n`` clients (standin.py): computed, not run.
+    ``pipelined``: the pipelined ideal instead."""
     _check_count(setup, count)
     a_ms, b_ms = setup.stand_in_ms
     p = setup.policy
     ideal = ideal_run(setup.mix, setup.seed, n, max_batch=p.max_batch,
                       max_batch_tokens=p.max_batch_tokens, a_ms=a_ms, b_ms=b_ms,
-                      window_s=setup.window, requests=count if setup.window is None else None)  # fmt: skip
+                      window_s=setup.window, requests=count if setup.window is None else None,
+                      pipelined=pipelined)  # fmt: skip
     wall = max(ideal.seconds, 1e-9)
     sizes = ideal.batch_sizes
     return RunResult(
-        system=IDEAL, n_clients=n, requests=ideal.requests, failed=0, tokens=ideal.tokens,
+        system=PIPELINED_IDEAL if pipelined else IDEAL, n_clients=n, requests=ideal.requests,
+        failed=0, tokens=ideal.tokens,
         audio_seconds=audio_seconds(ideal.tokens), wall_seconds=ideal.seconds,
         audio_s_per_s=audio_seconds(ideal.tokens) / wall, requests_per_s=ideal.requests / wall,
         latency_p50_ms=None, latency_p99_ms=None,
@@ -329,5 +333,6 @@ def bench_ideal(setup: Setup, n: int, *, count: int | None = None) -> RunResult:
         peak_rss_mib=None, cpu_seconds=0.0, others_cpu_share=None, threads="",
         policy=asdict(p), window_s=setup.window,
         padding_overhead=ideal.padded_tokens / ideal.tokens - 1 if ideal.tokens else None,
-        note="computed: every batch from all N outstanding requests, zero overhead",
+        note=("computed: each batch planned while the one before it runs, zero overhead" if pipelined
+              else "computed: every batch from all N outstanding requests, zero overhead"),
     )  # fmt: skip

@@ -40,10 +40,10 @@ same zero-overhead batcher, held to what one pipelined lane can do. A pipelined 
 k+1 while batch k runs, so that the device never waits for the host; but batch k's clients are
 back only when it ends, so batch k+1 is planned from the requests outstanding *without* them
 (with none outstanding, it is planned when batch k ends, from its clients). The ideal batcher
-plans every batch from all N; the pipelined ideal from N minus the running batch. At N = 16
-with the modern preset and the bench's defaults this bounds a pipelined server at ~0.92 of the
-ideal with zero overhead (benchmarks/RESULTS.md), so the ratio to it says how much of what a
-pipelined lane can reach the server reaches; the rest of the gap to the ideal is the pipeline's.
+plans every batch from all N; the pipelined ideal from N minus the running batch. With the
+modern preset and the bench's defaults it reaches 0.73 / 0.85 / 0.92 of the ideal at N = 4 / 8 /
+16 (benchmarks/RESULTS.md). The ratio to it says how much of what a pipelined lane reaches with
+no host cost the server reaches; the rest of the gap to the ideal is the pipeline's.
 """
 
 from __future__ import annotations

@@ -110,14 +110,19 @@ def test_quick_run_covers_every_system_and_leaves_nothing(tmp_path, capsys):
         assert png.stat().st_size > 0
 
 
-@pytest.mark.timeout(300)
-def test_stand_in_run_reports_the_share_of_the_ideal(tmp_path):
+def _stand_in_report(tmp_path, stand_in: str, repeats: int) -> dict:
+    """A short bicodec-shm run against the stand-in ``stand_in`` at N = 2; its JSON report."""
     out = tmp_path / "standin.json"
-    code = bench.main(["--model", "stand-in", "--stand-in", "5,0.01", "--systems", "shm",
-                       "--n", "2", "--window", "0.5", "--repeats", "2", "--no-progress",
+    code = bench.main(["--model", "stand-in", "--stand-in", stand_in, "--systems", "shm",
+                       "--n", "2", "--window", "0.5", "--repeats", str(repeats), "--no-progress",
                        "--no-plot", "--json", str(out)])  # fmt: skip
     assert code == 0
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_stand_in_run_reports_the_share_of_the_ideal(tmp_path):
+    report = _stand_in_report(tmp_path, "5,0.01", repeats=2)
     assert report["config"]["stand_in"]["a_ms"] == 5 and report["config"]["stand_in"]["b_ms"] == 0.01
     assert "all N outstanding requests" in report["config"]["stand_in"]["ideal"]
     runs = [(r["system"], r["repeat"]) for r in report["results"]]
@@ -420,12 +425,7 @@ def test_pipelined_ideal_never_beats_the_ideal_and_nears_it_as_clients_grow():
 
 @pytest.mark.timeout(300)
 def test_an_asynchronous_stand_in_run_adds_the_pipelined_ideal(tmp_path):
-    out = tmp_path / "modern.json"
-    code = bench.main(["--model", "stand-in", "--stand-in", "modern", "--systems", "shm",
-                       "--n", "2", "--window", "0.5", "--repeats", "1", "--no-progress",
-                       "--no-plot", "--json", str(out)])  # fmt: skip
-    assert code == 0
-    report = json.loads(out.read_text())
+    report = _stand_in_report(tmp_path, "modern", repeats=1)
     assert "planned when batch k starts" in report["config"]["stand_in"]["pipelined_ideal"]
     systems = [r["system"] for r in report["results"]]
     assert systems == [config.SHM, config.IDEAL, config.PIPELINED_IDEAL]

@@ -25,7 +25,7 @@ from .batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
-from .codecs.layout import default_max_frames, get_layout
+from .codecs.layout import LAYOUTS, default_max_frames, get_layout
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import GroupInfo, group_stats, read_group, validate_group_name
 from .served import describe_served
@@ -55,9 +55,10 @@ SAMPLE_RATE = 16_000
 TOKENS_PER_SECOND = 50  # semantic tokens per second of 16 kHz audio (hop 320)
 _sleep = time.sleep  # `stats --watch` between samples; tests replace it to drive the intervals
 PRESETS = ("spark-tts-0.5b", "tiny")
-# Codecs `serve --codec` knows; each SNAC variant has a full-size and a tiny preset.
-CODECS = ("bicodec", "snac-24khz", "snac-32khz", "snac-44khz")
-SNAC_PRESETS = tuple(f"{size}-{rate}" for rate in ("24khz", "32khz", "44khz") for size in ("snac", "tiny"))
+# Codecs `serve --codec` knows: every layout (model/registry.py has a decoder for each). Each codec
+# but BiCodec has a full-size preset named after it and a tiny one, tiny-RATE (resolve_preset).
+CODECS = tuple(LAYOUTS)
+CODEC_PRESETS = tuple(dict.fromkeys(p for c in CODECS[1:] for p in (c, f"tiny-{c.split('-')[1]}")))
 # transport.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
 MAX_TOKENS_LIMIT = 100_000
 # How long `serve` waits for a live server under its name to stop before refusing (a rolling
@@ -170,8 +171,9 @@ def _parser() -> argparse.ArgumentParser:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
                    help="a Spark-TTS model folder or its BiCodec/ folder; for SNAC a folder with "
-                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz)")  # fmt: skip
-    p.add_argument("--preset", default=None, choices=PRESETS + SNAC_PRESETS,
+                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz); for DAC "
+                        "descript-audio-codec's weights.pth")  # fmt: skip
+    p.add_argument("--preset", default=None, choices=PRESETS + CODEC_PRESETS,
                    help="architecture with random weights when no --model-dir is given (default: "
                         "the codec's full size; tiny: a small one of the same token layout)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -281,8 +283,9 @@ def resolve_preset(codec: str, preset: str | None) -> str:
     """The model preset of ``--codec`` and ``--preset``: None is the codec's full size, "tiny"
     its tiny one (tiny-24khz for snac-24khz); a preset of another codec is refused."""
     if codec == "bicodec":
-        if preset in SNAC_PRESETS:
-            raise ValueError(f"--preset {preset} is a SNAC model; add --codec snac-{preset.split('-')[1]}")
+        owners = [c for c in CODECS[1:] if preset in (c, f"tiny-{c.split('-')[1]}")]
+        if owners:
+            raise ValueError(f"--preset {preset} is not a BiCodec model; add --codec {' or '.join(owners)}")
         return preset or "spark-tts-0.5b"
     rate = codec.split("-")[1]
     if preset is None or preset == codec:

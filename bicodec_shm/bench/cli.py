@@ -89,7 +89,7 @@ from ..batching import (
     DEFAULT_MAX_WAIT_MS,
     default_max_batch_tokens,
 )
-from ..cli import SNAC_PRESETS, resolve_preset
+from ..cli import CODEC_PRESETS, resolve_preset
 from ..codecs.layout import LAYOUTS, get_layout
 from ..transport import leftover_objects, unlink_all
 from .config import (
@@ -186,7 +186,7 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
     p.add_argument("--codec", default="bicodec", choices=sorted(LAYOUTS),
                    help="the codec benchmarked (default bicodec): its layout draws the requests, "
                         "its model decodes them")  # fmt: skip
-    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + SNAC_PRESETS,
+    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + CODEC_PRESETS,
                    help="architecture with random weights, or the device-shaped stand-in (BiCodec "
                         "only); default the codec's full size (spark-tts-0.5b, snac-24khz, ...), "
                         "--quick its tiny one")  # fmt: skip

@@ -162,6 +162,21 @@ _SNAC_WINDOWED = {
     # Orpheus's scheme (orpheus_tts/decoder.py) on 4-frame windows: [2048:4096] is frame 1 of 4.
     "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),
 }
+# DAC, in frames (512 samples at 44.1 kHz, 11.6 ms; 320 at 24 and 16 kHz). A NaN planted in one
+# frame's latent reaches 9.3 frames to each side at 44.1 kHz and 9.8 at 24/16 kHz, and with random
+# weights the far frames still weigh in: at full size and 44.1 kHz a stream with 10 frames of left
+# context is 16.5 dB off the full decode with 4 frames of lookahead, 24.5 dB with 6, 51 dB with 8.
+# SNR against the full decode: benchmarks/bench_dac_streaming.py, numbers in RESULTS.md.
+_DAC = {
+    # First audio after 16 frames (186 ms at 44.1 kHz); each frame is decoded 3.25 times.
+    "default": StreamSettings(chunk_tokens=8, left_context=10, lookahead=8, crossfade=0),
+    # 10 frames of context on each side cover the receptive field: float rounding only.
+    "exact": StreamSettings(chunk_tokens=10, left_context=10, lookahead=10, crossfade=0),
+    # What Parler-TTS's streamer does at 44.1 kHz: 0.5 s chunks (43 frames), each decoded with the
+    # whole utterance so far (left context: the receptive field is as good) and the last ~5.7
+    # frames held back for the next decode (its stride, 2901 samples): lookahead 6.
+    "peers": StreamSettings(chunk_tokens=43, left_context=10, lookahead=6, crossfade=0),
+}
 CODEC_PRESETS: Mapping[str, Mapping[str, StreamSettings]] = {
     "bicodec": PRESETS,
     "snac-24khz": {
@@ -176,6 +191,9 @@ CODEC_PRESETS: Mapping[str, Mapping[str, StreamSettings]] = {
     },
     "snac-32khz": _SNAC_WINDOWED,
     "snac-44khz": _SNAC_WINDOWED,
+    "dac-44khz": _DAC,
+    "dac-24khz": _DAC,
+    "dac-16khz": _DAC,
 }
 
 
@@ -542,9 +560,11 @@ def _model_decode(model: Any, ids: np.ndarray, global_ids: np.ndarray) -> np.nda
 
 
 def _snac_config(decoder: Any) -> Any:
-    """The config of an in-process SNACDecoder (it has per-level rates), else None."""
+    """The config of an in-process decoder of code levels (SNAC, DAC: its config has a layout),
+    else None."""
     config = getattr(decoder, "config", None)
-    return config if hasattr(decoder, "detokenize") and hasattr(config, "level_rates") else None
+    layout = getattr(config, "layout", None)
+    return config if hasattr(decoder, "detokenize") and isinstance(layout, CodecLayout) else None
 
 
 def _served_codes_layout(decoder: Any) -> CodecLayout | None:
@@ -564,10 +584,11 @@ def _split_levels(rows: np.ndarray, rates: tuple[int, ...]) -> list[np.ndarray]:
 def _snac_decode(model: Any, levels: list[np.ndarray], start: int, seed: int) -> np.ndarray:
     """In-process decode of one SNAC window: per-level codes -> (spf·n,) float32.
 
-    ``start_frames`` makes the window draw the noise the full decode draws at these frames.
+    ``start_frames`` makes the window draw the noise the full decode draws at these frames; a
+    codec without noise (DAC) takes neither.
     """
-    audio = model.detokenize([lv.astype(np.int64)[None] for lv in levels], noise_seeds=[seed],
-                             start_frames=[start])  # fmt: skip
+    noise = {"noise_seeds": [seed], "start_frames": [start]} if getattr(model.config, "noise", False) else {}
+    audio = model.detokenize([lv.astype(np.int64)[None] for lv in levels], **noise)
     return audio[0].cpu().numpy()  # (1, N) -> (N,)
 
 

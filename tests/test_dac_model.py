@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from support import seed_int16
 from upstream_dac import load_dac, make_dac, upstream
 
 from bicodec_shm.codecs import DAC_16KHZ, DAC_24KHZ, DAC_44KHZ
@@ -71,13 +73,17 @@ def check_batched_equals_lone(model: DACDecoder, frames: int, lengths: list[int]
     cfg = model.config
     codes = random_codes(cfg, len(lengths), frames, seed)
     audio = model.detokenize(codes, lengths)
-    worst = 0.0
+    worst = worst16 = 0.0
     for i, n in enumerate(lengths):
         alone = model.detokenize(codes[i : i + 1, :, :n])[0]
         assert alone.shape == (n * cfg.samples_per_frame,)
         worst = max(worst, (audio[i, : len(alone)] - alone).abs().max().item())
+        pcm, pcm_alone = (seed_int16(a.numpy()).astype(np.int32) for a in (audio[i, : len(alone)], alone))
+        worst16 = max(worst16, np.abs(pcm - pcm_alone).max())
         assert not audio[i, len(alone) :].any()
     assert worst <= tol, worst
+    if tol <= TOL:
+        assert worst16 <= 1, worst16
     return worst
 
 
@@ -277,3 +283,63 @@ def test_full_size_bfloat16_rows_stay_at_bfloat16_noise():
     alone = model.detokenize(codes[1:, :, :2])[0]
     assert snr_db(audio[1, : len(alone)], alone) > 20
 
+
+
+# --- on a GPU (benchmarks/device_check.sh) -----------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def exact_math():
+    """The server's CUDA math (no TF32, deterministic cuDNN), restored afterwards."""
+    from bicodec_shm.model.devices import exact_cuda_math
+
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
+    exact_cuda_math()
+    yield
+    (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved  # fmt: skip
+
+
+def batched_vs_lone(model: DACDecoder, codes: torch.Tensor, lengths: list[int]) -> tuple[float, float]:
+    """(max |Δ|, SNR dB) of every row of a padded batch against its lone decode, rows joined."""
+    audio = model.detokenize(codes, lengths)
+    rows, lone = [], []
+    for i, n in enumerate(lengths):
+        lone.append(model.detokenize(codes[i : i + 1, :, :n])[0])
+        rows.append(audio[i, : len(lone[-1])])
+    rows_cat, lone_cat = torch.cat(rows), torch.cat(lone)
+    return (rows_cat - lone_cat).abs().max().item(), snr_db(rows_cat, lone_cat)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_full_size_float32_batched_rows_equal_their_lone_decode(exact_math, variant, record_property):
+    model = DACDecoder.from_config(f"dac-{variant}", seed=0).to("cuda")
+    codes = random_codes(model.config, 6, 50, seed=13).cuda()
+    worst, _ = batched_vs_lone(model, codes, [50, 7, 31, 1, 44, 19])
+    record_property(f"dac_{variant}_cuda_float32_batched_vs_lone_max_abs", worst)
+    assert worst <= TOL
+    want = upstream_decode(upstream_twin(model.cpu()), codes[:2, :, :12].cpu())
+    ours = model.cuda().detokenize(codes[:2, :, :12]).cpu()[:, : want.shape[1]]
+    record_property(f"dac_{variant}_cuda_vs_upstream_cpu_max_abs", (ours - want).abs().max().item())
+    assert (ours - want).abs().max() <= 1e-4  # two devices' float32 rounding, not a mismatch
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_reduced_precision_against_float32(exact_math, dtype, record_property):
+    ref = DACDecoder.from_config("dac-44khz", seed=0).to("cuda")
+    model = DACDecoder.from_config("dac-44khz", seed=0, dtype=dtype).to("cuda")
+    codes = random_codes(model.config, 4, 86, seed=14).cuda()
+    lengths = [86, 40, 63, 9]
+    snr = snr_db(model.detokenize(codes, lengths), ref.detokenize(codes, lengths))
+    worst, lone_snr = batched_vs_lone(model, codes, lengths)
+    record_property(f"dac_cuda_snr_db_{dtype}", round(snr, 2))
+    record_property(f"dac_cuda_batched_vs_lone_snr_db_{dtype}", round(lone_snr, 2))
+    assert snr >= {"bfloat16": 20.0, "float16": 35.0}[dtype], snr
+    assert lone_snr >= {"bfloat16": 20.0, "float16": 35.0}[dtype], lone_snr

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..modules import AdaLayerNorm, ConvNeXtBlock, LayerNorm, TimeMask, masked
 from .config import PrenetConfig
-from .modules import AdaLayerNorm, ConvNeXtBlock, LayerNorm, TimeMask, masked
 
 
 class VocosBackbone(nn.Module):

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, get_type_hints
 
-from .config_values import as_bool, as_int, as_ints, from_preset, plain, require_positive
+from ..config_values import as_bool, as_int, as_ints, from_preset, plain, require_positive
 
 
 @dataclass(frozen=True)

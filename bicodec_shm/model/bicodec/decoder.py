@@ -14,15 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config_values import as_config
+from ..inputs import IdsLike, as_ids, check_lengths, check_range
+from ..modules import AdaLayerNorm, ConvNeXtBlock, ResidualUnit, TimeMask
+from ..precision import apply_dtype
+from ..random_weights import WeightDraw, init_common_layers, seeded
 from . import checkpoint
 from .backbone import Prenet
 from .config import BiCodecConfig
-from .config_values import as_config
-from .inputs import IdsLike, as_ids, check_lengths, check_range
-from .modules import AdaLayerNorm, ConvNeXtBlock, ResidualUnit, TimeMask
-from .precision import apply_dtype
 from .quantizers import SemanticDequantizer, SpeakerDequantizer
-from .random_weights import WeightDraw, init_common_layers, seeded
 from .wavegen import WaveGenerator
 
 # Random-init gains, measured: with these, seed-0 audio has RMS 0.12 (tiny) and 0.14 (full size)

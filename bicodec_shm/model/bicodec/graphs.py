@@ -35,11 +35,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..devices import exact_cuda_math
+from ..modules import TimeMask
 from .buckets import Bucket, BucketGrid
 from .config import BiCodecConfig
 from .decoder import BiCodecDecoder, IdsLike, _check_inputs
-from .devices import exact_cuda_math
-from .modules import TimeMask
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..modules import WNConv1d
 from .config import QuantizerConfig, SpeakerEncoderConfig
-from .modules import WNConv1d
 
 
 class SemanticDequantizer(nn.Module):

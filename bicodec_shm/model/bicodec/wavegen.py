@@ -11,8 +11,8 @@ import math
 import torch
 from torch import nn
 
+from ..modules import ResidualUnit, Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
 from .config import WaveGeneratorConfig
-from .modules import ResidualUnit, Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
 
 
 class UpsampleBlock(nn.Module):

@@ -21,17 +21,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from .errors import BiCodecShmError
-from .processes import serve_command, stop_server, wait_until_serving
-from .transport import (
-    HOP,
-    N_GLOBAL,
-    leftover_objects,
-    random_name,
-    read_header,
-    stats_from_header,
-    unlink_all,
-)
+from ..deploy.processes import serve_command, stop_server, wait_until_serving
+from ..errors import BiCodecShmError
+from ..protocol.header import read_header, stats_from_header
+from ..protocol.layout import HOP, N_GLOBAL
+from ..protocol.names import leftover_objects, random_name, unlink_all
 
 SAMPLE_RATE = 16_000
 
@@ -63,7 +57,7 @@ def make_request(rng: np.random.Generator, min_len: int, max_len: int) -> np.nda
 def client_main(name: str, index: int, n_requests: int, min_len: int, max_len: int, seed: int,
                 check: list[int], events: mp.Queue) -> None:  # fmt: skip
     """One TTS worker: decode ``n_requests`` random requests through the shared server."""
-    from .client import DecoderClient
+    from ..client.decoder_client import DecoderClient
 
     rng = np.random.default_rng([seed, index])
     speaker = rng.integers(0, 4096, N_GLOBAL, dtype=np.int64)
@@ -195,7 +189,7 @@ def _check_samples(args: argparse.Namespace, samples: list[tuple]) -> int:
         return 0
     import torch
 
-    from .cli import load_decoder
+    from .model_args import load_decoder
 
     decoder = load_decoder(args, announce=False)
     worst = 0

@@ -48,9 +48,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .client import STOP_GRACE
-from .processes import serve_command, stop_server, wait_until_serving
-from .transport import SlotState, ServerState, leftover_objects, probe, random_name, read_header, unlink_all
+from ..client.decoder_client import STOP_GRACE
+from ..deploy.processes import serve_command, stop_server, wait_until_serving
+from ..protocol.header import read_header
+from ..protocol.layout import SlotState
+from ..protocol.names import ServerState, leftover_objects, probe, random_name, unlink_all
 
 
 @dataclass
@@ -84,7 +86,7 @@ class SoakResult:
 
 
 def client_main(argv: list[str]) -> int:
-    """``python -m bicodec_shm.soak client NAME POOL LOG SEED STOPFILE FORKS``
+    """``python -m bicodec_shm.tools.soak client NAME POOL LOG SEED STOPFILE FORKS``
 
     SIGUSR1 asks the client to fork: the child appends "PID LOG" to the file FORKS, decodes
     ``FORK_REQUESTS`` requests with the handle it inherited, and exits.
@@ -94,8 +96,8 @@ def client_main(argv: list[str]) -> int:
     import threading
     import warnings
 
-    from .client import DecoderClient
-    from .errors import BiCodecShmError
+    from ..client.decoder_client import DecoderClient
+    from ..errors import BiCodecShmError
 
     name, pool_path, log_path, seed, stop_file, forks_path, interrupt_share, garbage_share, grace = argv
     interrupt_share, garbage_share, grace = float(interrupt_share), float(garbage_share), float(grace)
@@ -116,7 +118,7 @@ def client_main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGALRM, interrupt)
     if garbage_share:
-        from . import attachment
+        from ..protocol import attachment
 
         attachment.time = _GarbageClock(garbage_share)  # what submit() writes as t_submit_ns
     log = open(log_path, "a", buffering=1)
@@ -235,7 +237,7 @@ def make_pool(path: str, *, preset: str, seed: int, size: int, max_len: int) -> 
     """Random requests and their lone, unpadded decodes (the ground truth)."""
     import torch
 
-    from .model import BiCodecDecoder
+    from ..model import BiCodecDecoder
 
     model = BiCodecDecoder.from_config(preset, seed=seed)
     rng = np.random.default_rng(seed)
@@ -273,7 +275,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
 
     def spawn(k: int) -> None:
         log = os.path.join(work, f"client-{len(logs)}.log")
-        cmd = [sys.executable, "-m", "bicodec_shm.soak", "client", name, pool, log,
+        cmd = [sys.executable, "-m", "bicodec_shm.tools.soak", "client", name, pool, log,
                str(rng.randrange(2**31)), stop_file, forks_path, str(args.interrupt_share),
                str(args.garbage_share), str(args.stop_grace)]  # fmt: skip
         clients[k] = (subprocess.Popen(cmd), log)
@@ -495,7 +497,7 @@ def _start(cmd: list[str]) -> subprocess.Popen:
 def _leaked_slots(name: str, wait: float) -> int:
     """Slots still owned, plus bells still locked, once every client has exited and the reaper
     had ``wait`` seconds."""
-    from .transport import Segment
+    from ..protocol.segment import Segment
 
     deadline = time.monotonic() + wait
     with Segment.attach(name) as seg:

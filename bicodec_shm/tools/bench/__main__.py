@@ -1,4 +1,4 @@
-"""``python -m bicodec_shm.bench``: the same as ``bicodec-shm bench``."""
+"""``python -m bicodec_shm.tools.bench``: the same as ``bicodec-shm bench``."""
 
 from __future__ import annotations
 

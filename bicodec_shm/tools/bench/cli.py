@@ -82,16 +82,16 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from ..batching import (
+from ...codecs.layout import LAYOUTS, get_layout
+from ...protocol.names import leftover_objects, unlink_all
+from ...server.batching import (
     DEFAULT_CUDA_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_WAIT_MS,
     default_max_batch_tokens,
 )
-from ..cli import SNAC_PRESETS, resolve_preset
-from ..codecs.layout import LAYOUTS, get_layout
-from ..transport import leftover_objects, unlink_all
+from ..model_args import SNAC_PRESETS, resolve_preset
 from .config import (
     DEFAULT_NS,
     DEFAULT_OMP_WAIT_POLICY,
@@ -270,7 +270,7 @@ def check_server_options(options: dict[str, Any]) -> None:
                          "--max-wait-ms, --max-batch-tokens (they drive the queue server too)")  # fmt: skip
     if not options:
         return
-    from ..server import DecoderServer
+    from ...server.server import DecoderServer
 
     params = inspect.signature(DecoderServer.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
-from ..codecs.layout import CodecLayout, get_layout
+from ...codecs.layout import CodecLayout, get_layout
+from ...server.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
 from .standin import DEFAULT_A_MS, DEFAULT_B_MS
 from .workload import DEFAULT_MIX, Band
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs.layout import DEFAULT_NOISE_SEED, CodecLayout, get_layout
-from ..slot_io import Batch, Requests
-from ..transport import NO_BELL
+from ...codecs.layout import DEFAULT_NOISE_SEED, CodecLayout, get_layout
+from ...protocol.layout import NO_BELL
+from ...protocol.slot_io import Batch, Requests
 from .config import ModelSpec
 from .standin import StandInDecoder
 from .workload import Request, zero_request
@@ -31,9 +31,9 @@ def load_model(spec: ModelSpec, threads: int) -> Any:
     import torch
 
     torch.set_num_threads(threads)
-    from ..adapters import codec_adapter
-    from ..model.devices import exact_cuda_math
-    from ..model.registry import decoder_class
+    from ...model.devices import exact_cuda_math
+    from ...model.registry import decoder_class
+    from ...server.adapters import codec_adapter
 
     # Spawned workers inherit the device through the environment (set by --device).
     device = torch.device(os.environ.get(DEVICE_ENV, "cpu"))

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..codecs.layout import BICODEC, CodecLayout
+from ...codecs.layout import BICODEC, CodecLayout
 from .config import Policy
 from .sampling import _Sampler
 from .workers import Record

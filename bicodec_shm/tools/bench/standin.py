@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from ..transport import HOP
+from ...protocol.layout import HOP
 from .workload import Band, Pending, length_stream, plan
 
 IDEAL_DEFINITION = (

@@ -25,15 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs.layout import default_max_frames
-from ..transport import (
-    DEFAULT_SLOTS,
-    leftover_objects,
-    random_name,
-    read_header,
-    stats_from_header,
-    unlink_all,
-)
+from ...codecs.layout import default_max_frames
+from ...protocol.header import read_header, stats_from_header
+from ...protocol.layout import DEFAULT_SLOTS
+from ...protocol.names import leftover_objects, random_name, unlink_all
 from .config import (
     IDEAL,
     LIMIT,

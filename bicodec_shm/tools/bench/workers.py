@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs.layout import CodecLayout, get_layout
+from ...codecs.layout import CodecLayout, get_layout
 from .config import LIMIT, PER_PROCESS, QUEUE, SHM, START_TIMEOUT, ModelSpec, Policy
 from .decoding import load_model
 from .workload import Band, Pending, Request, plan, random_request, request_stream
@@ -99,7 +99,7 @@ def _shm_client(name: str, codec: str, index: int, mix: Sequence[Band], seed: in
                 timeout: float, start: Any, deadline: Any, events: Any) -> None:  # fmt: skip
     _child_setup()
     with _reporting(events, f"{SHM} client {index}"):
-        from ..client import DecoderClient
+        from ...client.decoder_client import DecoderClient
 
         # One slot: this worker has one request in flight at a time.
         with DecoderClient(name, slots=1, timeout=timeout, connect_timeout=START_TIMEOUT) as client:
@@ -131,7 +131,7 @@ class _RecordingDecoder:
         return getattr(self.model, name)
 
     def codec_adapter(self) -> Any:
-        from ..adapters import codec_adapter
+        from ...server.adapters import codec_adapter
 
         return _RecordingAdapter(codec_adapter(self.model), self._file)
 
@@ -189,7 +189,7 @@ def _shm_server(name: str, spec: ModelSpec, threads: int, policy: Policy, slots:
                 max_tokens: int, server_options: dict[str, Any], record_path: str,
                 events: Any) -> None:  # fmt: skip
     with _reporting(events, f"{SHM} server"):
-        from ..server import DecoderServer
+        from ...server.server import DecoderServer
 
         decoder = _RecordingDecoder(load_model(spec, threads), record_path)
         options = {"slots": slots, "max_tokens": max_tokens, **server_options}
@@ -232,7 +232,7 @@ def _own_decoder_client(spec: ModelSpec, threads: int, index: int, mix: Sequence
                     audio = model.detokenize(request.levels[0][None], request.global_ids[None])
                 return _to_int16(audio[0])
         else:
-            from ..adapters import codec_adapter
+            from ...server.adapters import codec_adapter
             from .decoding import as_batch, decode_rows
 
             adapter = codec_adapter(model)
@@ -264,7 +264,7 @@ def _queue_server(spec: ModelSpec, threads: int, policy: Policy, requests_q: Any
     Its batch-size histogram counts the batches started before the window closed."""
     _child_setup()
     with _reporting(events, f"{QUEUE} server"):
-        from ..adapters import codec_adapter
+        from ...server.adapters import codec_adapter
         from .decoding import as_batch, decode_rows
 
         adapter = codec_adapter(load_model(spec, threads))
@@ -325,7 +325,7 @@ def _limit_worker(spec: ModelSpec, threads: int, batches: list[list[int]], start
     In a window, the batches are replayed in a loop until it closes; else once."""
     _child_setup()
     with _reporting(events, LIMIT):
-        from ..adapters import codec_adapter
+        from ...server.adapters import codec_adapter
         from .decoding import as_batch, decode_rows
 
         adapter = codec_adapter(load_model(spec, threads))

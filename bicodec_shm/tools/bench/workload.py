@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..batching import DEFAULT_MIN_FILL, plan_batch
-from ..codecs.layout import BICODEC, CodecLayout
+from ...codecs.layout import BICODEC, CodecLayout
+from ...server.batching import DEFAULT_MIN_FILL, plan_batch
 
 DEFAULT_MIX = "25-50:0.8,100-300:0.2"  # BiCodec tokens: 0.5-1 s chunks, 2-6 s utterances
 # Full mode: M = max(MIN_REQUESTS, TOTAL_REQUESTS // N), so every N decodes about as much audio

@@ -19,9 +19,9 @@ import os
 import weakref
 from typing import Any
 
-from .client import DecoderClient
-from .errors import BiCodecShmError
-from .transport import random_name, sweep_dead
+from ..errors import BiCodecShmError
+from ..protocol.names import random_name, sweep_dead
+from .decoder_client import DecoderClient
 
 PRIVATE_PREFIX = "bcshm-dropin"  # private servers' names: PRIVATE_PREFIX-<random hex>
 
@@ -61,7 +61,7 @@ class BiCodecBatchDecoder:
         if self._client is not None:
             return
         if not isinstance(self.decoder, str):
-            from .server import DecoderServer  # imports torch: only on this path
+            from ..server.server import DecoderServer  # imports torch: only on this path
 
             # A process killed by a signal (SIGKILL, or SIGTERM's default action) runs no
             # finalizer: its private server's objects stay under a random name nobody knows.
@@ -69,7 +69,7 @@ class BiCodecBatchDecoder:
             sweep_dead(PRIVATE_PREFIX + "-")
             decoder = self.decoder
             if isinstance(decoder, os.PathLike):
-                from .model import BiCodecDecoder
+                from ..model import BiCodecDecoder
 
                 decoder = BiCodecDecoder.from_pretrained(decoder)
             self._server = DecoderServer(

@@ -37,8 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .attachment import SLICE, Attachment, Gone
-from .codecs.layout import (
+from ..codecs.layout import (
     DEFAULT_NOISE_SEED,
     LAYOUTS,
     CodecLayout,
@@ -46,12 +45,16 @@ from .codecs.layout import (
     check_request,
     check_start_frame,
 )
-from .codecs.orpheus import AUDIO_TOKEN_BASE, orpheus_to_codes
-from .errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
-from .group import GroupRouter, read_group
-from .served import describe_served
-from .transport import FLAG_NO_NOISE, N_GLOBAL, NO_BELL, ServerState, probe, stats_from_header, validate_name
-from .validation import as_token_array, output_dtype_code
+from ..codecs.orpheus import AUDIO_TOKEN_BASE, orpheus_to_codes
+from ..codecs.validation import as_token_array, output_dtype_code
+from ..errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
+from ..protocol.attachment import SLICE, Attachment, Gone
+from ..protocol.group import read_group
+from ..protocol.header import stats_from_header
+from ..protocol.layout import FLAG_NO_NOISE, N_GLOBAL, NO_BELL
+from ..protocol.names import ServerState, probe, validate_name
+from ..protocol.served import describe_served
+from .router import GroupRouter
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_CLIENT_SLOTS = 8

@@ -45,15 +45,15 @@ from typing import Any
 
 import numpy as np
 
-from .codecs.layout import (
+from ..codecs.layout import (
     DEFAULT_NOISE_SEED,
     CodecLayout,
     check_noise_seed,
     check_request,
     default_max_frames,
 )
-from .errors import StreamFinishedError
-from .validation import as_token_array, output_dtype_code
+from ..codecs.validation import as_token_array, output_dtype_code
+from ..errors import StreamFinishedError
 
 HOP = 320  # samples per semantic token (16 kHz, 50 tokens/s)
 SAMPLE_RATE = 16000

@@ -11,12 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 
-from .errors import BiCodecShmError
-from .transport import ServerState, probe
+from ..errors import BiCodecShmError
+from ..protocol.names import ServerState, probe
 
 
 def serve_command(name: str, *options: str) -> list[str]:
@@ -50,7 +49,7 @@ def die_with_parent() -> Callable[[], None]:
 
 def keeper_command(command: list[str]) -> list[str]:
     """``command`` run under ``keep_server`` in this interpreter (no torch, no Ray imported)."""
-    keep = "import sys; from bicodec_shm.processes import keep_server; sys.exit(keep_server(sys.argv[1:]))"
+    keep = "import sys; from bicodec_shm.deploy.processes import keep_server; sys.exit(keep_server(sys.argv[1:]))"
     return [sys.executable, "-c", keep, *command]
 
 
@@ -98,27 +97,3 @@ def stop_server(server: subprocess.Popen, timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-
-
-def on_stop_signals(handler: Callable[[int], None]) -> Callable[[], None]:
-    """Call ``handler(signum)`` on SIGINT and SIGTERM; returns the function that restores the
-    previous handlers. Outside the main thread (where Python cannot set handlers) it does
-    nothing and so does what it returns.
-
-    A SIGINT that this process was started with ignored stays ignored: that is how a shell's
-    background job (``serve &``, ``nohup``) and a parent that stops its children in order (the
-    bench) keep a terminal's Ctrl-C away from it."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    signals = [signal.SIGTERM]
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signals.insert(0, signal.SIGINT)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
-    for sig in previous:
-        signal.signal(sig, lambda signum, frame: handler(signum))
-
-    def restore() -> None:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-    return restore

@@ -42,16 +42,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BiCodecShmError, MissingExtraError
+from ..errors import BiCodecShmError, MissingExtraError
+from ..protocol.header import read_header
+from ..protocol.names import unlink_all, validate_name
 from .processes import die_with_parent, keeper_command, serve_command, wait_until_serving
-from .transport import read_header, unlink_all, validate_name
 
 try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError:  # pragma: no cover - the extra is installed wherever the tests run
     raise MissingExtraError(
-        'bicodec_shm.ray needs Ray, the [ray] extra: pip install "bicodec-shm[ray]"'
+        'bicodec_shm.deploy.ray needs Ray, the [ray] extra: pip install "bicodec-shm[ray]"'
     ) from None
 
 DEFAULT_PREFIX = "bicodec-shm"

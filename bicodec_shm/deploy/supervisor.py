@@ -34,10 +34,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import ServerAlreadyRunningError
-from .group import MAX_MEMBERS, GroupObject, member_names, validate_group_name
-from .processes import die_with_parent, on_stop_signals
-from .transport import DEFAULT_MODE, ServerState, is_stopping, probe, unlink_all
+from ..errors import ServerAlreadyRunningError
+from ..protocol.group import MAX_MEMBERS, GroupObject, member_names, validate_group_name
+from ..protocol.layout import DEFAULT_MODE
+from ..protocol.names import ServerState, is_stopping, probe, unlink_all
+from ..server.signals import on_stop_signals
+from .processes import die_with_parent
 
 log = logging.getLogger("bicodec_shm.supervisor")
 

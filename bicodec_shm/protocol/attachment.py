@@ -49,9 +49,10 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from .codecs.layout import DEFAULT_NOISE_SEED
-from .errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
-from .transport import CLAIMED, FREE, NO_BELL, READY, OutputDtype, Phase, Segment, Status, drain
+from ..codecs.layout import DEFAULT_NOISE_SEED
+from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
+from .layout import CLAIMED, FREE, NO_BELL, READY, OutputDtype, Phase, Status
+from .segment import Segment, drain
 
 SLICE = 0.1  # seconds a waiter sleeps before checking that its server still serves
 _FLOAT32 = int(OutputDtype.FLOAT32)

@@ -13,7 +13,9 @@ import re
 
 import numpy as np
 
-from .transport import GROUP_MAGIC, MAGIC, read_record, validate_name
+from .header import read_record
+from .layout import GROUP_MAGIC, MAGIC
+from .names import validate_name
 
 SHM_DIR = "/dev/shm"
 _MAGIC_DT = np.dtype([("magic", "<u8")])

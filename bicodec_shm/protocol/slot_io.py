@@ -20,17 +20,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .transport import (
-    BUSY,
-    DONE,
-    ERROR_TEXT_BYTES,
-    NO_BELL,
-    READY,
-    REQUEST_ID,
-    SLOT_DT,
-    Segment,
-    Status,
-)
+from .layout import BUSY, DONE, ERROR_TEXT_BYTES, NO_BELL, READY, REQUEST_ID, SLOT_DT, Status
+from .segment import Segment
 
 log = logging.getLogger("bicodec_shm.server")
 

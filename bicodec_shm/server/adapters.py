@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .codecs.layout import BICODEC, CodecLayout
-from .slot_io import Batch
+from ..codecs.layout import BICODEC, CodecLayout
+from ..protocol.slot_io import Batch
 
 
 class CodecAdapter(Protocol):

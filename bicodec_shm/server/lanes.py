@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..protocol.slot_io import Batch
 from .adapters import codec_adapter
-from .slot_io import Batch
 
 log = logging.getLogger("bicodec_shm.server")
 

@@ -49,8 +49,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MissingExtraError
-from .transport import BUSY, FREE, HIST_BINS, N_STATUS, READY, TIME_BUCKETS, Segment, Status, codec_name
+from ..errors import MissingExtraError
+from ..protocol.header import codec_name
+from ..protocol.layout import BUSY, FREE, HIST_BINS, N_STATUS, READY, TIME_BUCKETS, Status
+from ..protocol.segment import Segment
 
 log = logging.getLogger("bicodec_shm.metrics")
 
@@ -239,7 +241,7 @@ class MetricsExporter:
         from prometheus_client.platform_collector import PlatformCollector
         from prometheus_client.process_collector import ProcessCollector
 
-        from . import __version__
+        from .._version import __version__
 
         self.host = host
         self._collector = SegmentCollector(segment, version=__version__)

@@ -40,22 +40,9 @@ import numpy as np
 import posix_ipc
 import torch
 
-from .adapters import codec_adapter
-from .batching import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_WAIT_MS,
-    DEFAULT_MIN_FILL,
-    DEFAULT_REJOIN_MS,
-    default_max_batch_tokens,
-    plan_batch,
-)
-from .errors import BiCodecShmError, ServerUnavailableError
-from .lane_tuner import LaneTuner, LaneTuning
-from .lanes import STOP, Decoded, Lane, Runner, lane_threads
-from .model.devices import exact_cuda_math
-from .processes import on_stop_signals
-from .slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
-from .transport import (
+from ..errors import BiCodecShmError, ServerUnavailableError
+from ..model.devices import exact_cuda_math
+from ..protocol.layout import (
     C_FAILED,
     C_HOST_GAP,
     C_RECLAIMED,
@@ -68,17 +55,29 @@ from .transport import (
     DONE,
     FREE,
     HIST_BINS,
-    NO_BELL,
     N_STATUS,
     N_TIME_BINS,
+    NO_BELL,
     READY,
     TIME_BUCKETS,
     Phase,
-    Segment,
     Status,
-    drain,
-    validate_name,
 )
+from ..protocol.names import validate_name
+from ..protocol.segment import Segment, drain
+from ..protocol.slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
+from .adapters import codec_adapter
+from .batching import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_WAIT_MS,
+    DEFAULT_MIN_FILL,
+    DEFAULT_REJOIN_MS,
+    default_max_batch_tokens,
+    plan_batch,
+)
+from .lane_tuner import LaneTuner, LaneTuning
+from .lanes import STOP, Decoded, Lane, Runner, lane_threads
+from .signals import on_stop_signals
 
 log = logging.getLogger("bicodec_shm.server")
 

@@ -18,10 +18,11 @@ import pytest
 from conftest import wait_until_serving
 from support import seed_int16, single_decode
 
-from bicodec_shm import cli
-from bicodec_shm.cli import main
-from bicodec_shm.client import DecoderClient
-from bicodec_shm.transport import Segment, leftover_objects
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.protocol.names import leftover_objects
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.tools import cli, stats_cmd
+from bicodec_shm.tools.cli import main
 
 
 def test_serve_then_stats_json_then_sigterm(shm_name, capsys):
@@ -256,7 +257,7 @@ def test_stats_watch_prints_per_interval_rates(thread_server, shm_name, monkeypa
             for _ in range(n):
                 client.decode(list(range(50)), list(range(32)))
 
-    monkeypatch.setattr(cli, "_sleep", between_samples)
+    monkeypatch.setattr(stats_cmd, "_sleep", between_samples)
     with DecoderClient(shm_name) as client:  # a request before the watch: not in any interval
         client.decode(list(range(10)), list(range(32)))
     assert main(["stats", shm_name, "--watch", "0.5", "--json"]) == 130
@@ -344,7 +345,7 @@ def test_stats_watch_survives_a_server_restart(thread_server, shm_name, monkeypa
         else:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_sleep", between_samples)
+    monkeypatch.setattr(stats_cmd, "_sleep", between_samples)
     assert main(["stats", shm_name, "--watch", "1"]) == 130
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("time"))
@@ -362,14 +363,15 @@ def test_group_stats_say_down_when_no_member_serves():
     member = {"device": "cpu", "restarts": 3, "server_alive": False}
     stats = {"group": "tts", "supervisor_pid": 42, "supervisor_alive": True, "requests": 0,
              "members": {"tts.0": dict(member), "tts.1": dict(member)}}  # fmt: skip
-    head = cli.format_group_stats(stats).splitlines()[0]
+    head = stats_cmd.format_group_stats(stats).splitlines()[0]
     assert head.startswith("group tts: 2 members, DOWN: no member serves; supervisor pid 42 (alive)")
     stats["members"]["tts.1"] = {"device": "cpu", "restarts": 0, "server_alive": True, **_member_counters()}
-    assert "1 of 2 serving" in cli.format_group_stats(stats).splitlines()[0]
+    assert "1 of 2 serving" in stats_cmd.format_group_stats(stats).splitlines()[0]
 
 
 def _member_counters() -> dict:
-    from bicodec_shm.transport import HEADER_DT, stats_from_header
+    from bicodec_shm.protocol.header import stats_from_header
+    from bicodec_shm.protocol.layout import HEADER_DT
 
     return stats_from_header(np.zeros(1, HEADER_DT)[0])
 
@@ -377,8 +379,8 @@ def _member_counters() -> dict:
 def test_bench_names_where_it_writes(tmp_path):
     import argparse
 
-    from bicodec_shm.bench import add_arguments
-    from bicodec_shm.bench.cli import Plan
+    from bicodec_shm.tools.bench import add_arguments
+    from bicodec_shm.tools.bench.cli import Plan
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -392,7 +394,7 @@ def test_bench_names_where_it_writes(tmp_path):
 
 
 def test_max_batch_tokens_is_chosen_by_device_unless_given() -> None:
-    from bicodec_shm.cli import _parser
+    from bicodec_shm.tools.cli import _parser
 
     assert _parser().parse_args(["serve"]).max_batch_tokens == "auto"
     assert _parser().parse_args(["serve", "--max-batch-tokens", "none"]).max_batch_tokens is None

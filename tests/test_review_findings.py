@@ -544,7 +544,7 @@ def test_14_a_request_sent_while_its_answer_is_being_rung_is_not_skipped(shm_nam
     at once and the other lane (the dispatcher) scans for it, all before the lane returns from
     ringing. The slot must no longer count as held by then, or the request waits for the
     reaper's tick (5 s here)."""
-    import bicodec_shm.server as server_module
+    import bicodec_shm.server.server as server_module
 
     real_ring = server_module.ring
     reads = []  # the server's ReadLog, once it exists

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import weights
 from ..config_values import as_config
 from ..inputs import IdsLike, as_ids, check_lengths, check_range
 from ..modules import AdaLayerNorm, ConvNeXtBlock, ResidualUnit, TimeMask
@@ -101,7 +102,7 @@ class BiCodecDecoder(nn.Module):
         """
         folder = checkpoint.find_folder(path)
         model = cls(checkpoint.read_config(folder / checkpoint.CONFIG_FILE))
-        model.load_state_dict(checkpoint.read_state_dict(folder / checkpoint.WEIGHTS_FILE, model))
+        model.load_state_dict(weights.read_state_dict(folder / checkpoint.WEIGHTS_FILE, model))
         return apply_dtype(model.to(device), dtype).eval()
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> int:

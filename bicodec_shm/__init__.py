@@ -36,7 +36,7 @@ _LAZY = {
 }
 
 _EAGER = {
-    "BiCodecBatchDecoder": ".client.batch_decoder",
+    "BiCodecBatchDecoder": ".integrations.batch_decoder",
     "DecodeStream": ".client.streaming",
     "DecoderClient": ".client.decoder_client",
     "StreamSettings": ".client.streaming",

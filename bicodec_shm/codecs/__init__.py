@@ -1,7 +1,15 @@
-"""Torch-free descriptions of each codec's tokens (``CodecLayout``) and the Orpheus token layout.
+"""Torch-free descriptions of each codec's tokens: the lowest layer, which every other imports.
 
-The client imports these to validate a request before it writes anything; the model package
-has one decoder per codec (``model.BiCodecDecoder``, ``model.snac.SNACDecoder``).
+    layout.py       ``CodecLayout``: each codec's levels, rates, vocabularies, samples per frame,
+                    sample rate; the registry of known layouts (``LAYOUTS``)
+    validation.py   token arrays from what callers pass (lists, numpy, torch tensors without
+                    importing torch), checked before anything is written
+    orpheus.py      Orpheus TTS's audio-token ids and ``<custom_token_N>`` text <-> SNAC codes
+
+The client imports these to validate a request before it writes anything; the model package has
+one decoder per codec (``model/bicodec/``, ``model/snac/``).
+
+May import: ``errors`` only (and numpy). Never torch.
 """
 
 from .layout import (

@@ -19,9 +19,9 @@ import os
 import weakref
 from typing import Any
 
+from ..client.decoder_client import DecoderClient
 from ..errors import BiCodecShmError
 from ..protocol.names import random_name, sweep_dead
-from .decoder_client import DecoderClient
 
 PRIVATE_PREFIX = "bcshm-dropin"  # private servers' names: PRIVATE_PREFIX-<random hex>
 

@@ -122,7 +122,63 @@ def test_stats_and_decode_of_a_wrong_name_list_the_served_names(thread_server, s
 
 def test_stats_of_a_missing_name_fails_clearly(shm_name, capsys):
     assert main(["stats", shm_name]) == 1
-    assert "no bicodec-shm segment" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no bicodec-shm segment" in err and f"bicodec-shm serve --name {shm_name}" in err
+
+
+def test_stats_is_a_health_probe_that_exits_0_only_while_a_server_serves(start_server, shm_name):
+    """As a Docker HEALTHCHECK or a Kubernetes exec probe runs it: a process, its exit status."""
+    probe = [sys.executable, "-m", "bicodec_shm", "stats", shm_name]
+    assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 1  # nothing yet
+    server = start_server()
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "(alive)" in done.stdout and done.stderr == ""
+    assert re.search(r"^attached clients\s+0$", done.stdout, re.M)
+    server.kill()  # SIGKILL: its objects stay behind, its locks do not
+    server.wait(30)
+    dead = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 1 and "(dead)" in dead.stdout
+    assert dead.stderr.count("\n") == 1 and f"`bicodec-shm cleanup {shm_name}`" in dead.stderr
+
+
+def test_stats_of_a_server_that_died_exits_1_and_says_what_to_do(shm_name, capsys):
+    Segment.create(shm_name, n_slots=2, max_tokens=10).close()  # a server that died: no locks
+    assert main(["stats", shm_name, "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["state"] == "dead"
+    assert "died" in err and "start a new server" in err and f"bicodec-shm cleanup {shm_name}" in err
+
+
+def test_version_names_the_package_version(capsys):
+    from bicodec_shm import __version__
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"bicodec-shm {__version__}"
+
+
+def test_every_option_of_every_command_has_help_that_shows_its_default():
+    import argparse
+
+    parser = cli._parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for command, sub in commands.choices.items():
+        lines = sub.format_help().splitlines()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            where = f"{command} {'/'.join(action.option_strings) or action.dest}"
+            if not action.help:
+                missing.append(f"{where}: no help")
+            elif action.default not in (None, False, argparse.SUPPRESS, []) and action.option_strings:
+                # This option's lines of --help: from its own line to the next option's.
+                start = next(i for i, line in enumerate(lines)
+                             if line.startswith(f"  {action.option_strings[0]}"))  # fmt: skip
+                end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  -")), len(lines))
+                if "default" not in " ".join(lines[start:end]):
+                    missing.append(f"{where}: its default {action.default!r} is not shown")
+    assert missing == []
 
 
 def test_cleanup_removes_a_dead_servers_leftovers(shm_name, capsys):
@@ -273,8 +329,8 @@ def test_stats_watch_prints_per_interval_rates(thread_server, shm_name, monkeypa
     intervals = iter([2])
     assert main(["stats", shm_name, "--watch", "0.5"]) == 130
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("segment") and "requests" in lines[3]  # the totals table first
     header = next(i for i, line in enumerate(lines) if line.startswith("time"))
+    assert lines[0].startswith("segment") and any(line.startswith("requests") for line in lines[:header])
     assert lines[header].split()[:4] == ["time", "req/s", "batch/s", "audio"]
     (row,) = lines[header + 1 :]
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", row)
@@ -285,7 +341,7 @@ def test_stats_watch_piped_into_head_ends_quietly(thread_server, shm_name):
     thread_server()
     proc = subprocess.Popen([sys.executable, "-m", "bicodec_shm", "stats", shm_name, "--watch", "0.02"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    lines = [proc.stdout.readline() for _ in range(15)]  # what `head -n 15` reads, then it exits
+    lines = [proc.stdout.readline() for _ in range(25)]  # what `head -n 25` reads, then it exits
     proc.stdout.close()
     _, err = proc.communicate(timeout=30)
     assert lines[0].startswith("segment") and lines[-1].strip().endswith("alive")

@@ -15,11 +15,14 @@ import posix_ipc
 from ..codecs.layout import CodecLayout
 from ..errors import SegmentError
 from .layout import (
+    BUSY,
+    FREE,
     HEADER_DT,
     HEADER_SIZE,
     LAYOUT_VERSION,
     MAGIC,
     MAX_LEVELS,
+    READY,
     SERVING_BYTE,
     SLOT_DT,
     Layout,
@@ -162,3 +165,30 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
         "lane_busy_ms": int(h["lane_busy_ns"]) / 1e6,
         "batch_size_histogram": {b: n for b, n in enumerate(hist) if n},
     }
+
+
+def read_slot_owners(name: str) -> dict | None:
+    """Who holds the slots of the segment ``name`` right now, from a private copy of its slot
+    table: ``{"owned", "ready", "busy", "attached_clients"}`` (slots in every state but FREE,
+    READY, BUSY; distinct client handles holding one). None if there is no valid segment.
+
+    Read without pairing, like the counters: a snapshot for ``stats``, a moment old."""
+    validate_name(name)
+    try:
+        shm = posix_ipc.SharedMemory(f"/{name}")
+    except posix_ipc.Error:
+        return None
+    try:
+        try:
+            layout = _read_layout(name, shm.fd)
+        except SegmentError:
+            return None
+        raw = os.pread(shm.fd, layout.n_slots * SLOT_DT.itemsize, layout.slots_off)
+    finally:
+        shm.close_fd()
+    slots = np.frombuffer(raw, SLOT_DT, layout.n_slots)
+    owned = slots["state"] != FREE
+    holders = slots["handle_id"][owned]
+    return {"owned": int(owned.sum()), "ready": int((slots["state"] == READY).sum()),
+            "busy": int((slots["state"] == BUSY).sum()),
+            "attached_clients": len(np.unique(holders[holders != 0]))}  # fmt: skip

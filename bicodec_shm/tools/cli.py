@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .._version import __version__
 from ..codecs.layout import default_max_frames, get_layout
 from ..errors import BiCodecShmError, ServerAlreadyRunningError
 from ..protocol.group import validate_group_name
@@ -40,6 +41,15 @@ from .model_args import CODECS, add_model_args, load_decoder, resolve_preset
 from .stats_cmd import _cmd_stats, marked_stopping, pid_clause
 
 DEFAULT_NAME = "bicodec-shm"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+STATS_DESCRIPTION = """\
+Prints a server's live counters (a group's: its members side by side).
+
+Exit status, so that it serves as a health probe (Docker HEALTHCHECK, a Kubernetes exec probe):
+  0  a live server serves NAME
+  1  nothing serves NAME: it is absent, starting, stopping, or its server died (the line printed
+     on standard error says which, and what to do: start a server, or `bicodec-shm cleanup NAME`)
+With --watch it runs until interrupted, one line per interval."""
 # transport.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
 MAX_TOKENS_LIMIT = 100_000
 # How long `serve` waits for a live server under its name to stop before refusing (a rolling
@@ -54,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "log_level", None):
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     try:
         return int(args.func(args) or 0)
     except (BiCodecShmError, ValueError) as exc:
@@ -78,53 +91,88 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bicodec-shm", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(metavar="COMMAND")
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in ``--help``, unless its help already says it (or it has none to
+    show: a flag, or a default that depends on something else, which its help then explains)."""
 
-    s = sub.add_parser("serve", help="run the decoder server (owns the model and the segment)")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = not (default is None or default is False or default is argparse.SUPPRESS or default == [])
+        if shown and "default" not in text and "%(default)" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _logging_options() -> argparse.ArgumentParser:
+    """``--log-level``, ``-v`` and ``-q`` for the commands that log."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("logging")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="what to log on standard error (info: start, stop, each choice of lanes, "
+                        "dead clients reclaimed, failures; debug adds routine events)")  # fmt: skip
+    x.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="debug",
+                   help="the same as --log-level debug")  # fmt: skip
+    x.add_argument("-q", "--quiet", dest="log_level", action="store_const", const="warning",
+                   help="the same as --log-level warning: only what needs attention")  # fmt: skip
+    return p
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bicodec-shm", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)  # fmt: skip
+    p.add_argument("--version", action="version", version=f"bicodec-shm {__version__}")
+    sub = p.add_subparsers(metavar="COMMAND")
+    logs = _logging_options()
+
+    s = sub.add_parser("serve", help="run the decoder server (owns the model and the segment)",
+                       formatter_class=HelpFormatter, parents=[logs])  # fmt: skip
     add_model_args(s)
     s.add_argument("--codec", default="bicodec", choices=CODECS,
-                   help="the codec served (default bicodec); snac-24khz is Orpheus TTS's")  # fmt: skip
-    s.add_argument("--name", default=DEFAULT_NAME,
-                   help=f"segment name clients attach to (default {DEFAULT_NAME})")  # fmt: skip
+                   help="the codec served; snac-24khz is Orpheus TTS's")  # fmt: skip
+    s.add_argument("--name", default=DEFAULT_NAME, help="segment name clients attach to")
     _add_server_args(s)
     s.add_argument("--mode", default="0o600", type=_octal,
-                   help="permissions: 0o600 this user only, 0o660 also the group")  # fmt: skip
+                   help="permissions of every object: 0o600 this user, 0o660 also the group")  # fmt: skip
     s.add_argument("--allow-world-access", action="store_true",
                    help="accept a --mode that lets every user of the host attach (not advised)")  # fmt: skip
-    s.add_argument("-v", "--verbose", action="store_true")
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on PORT (needs: pip install 'bicodec-shm[metrics]')")
+                   help="serve Prometheus metrics on PORT (default: none; needs: pip install "
+                        "'bicodec-shm[metrics]')")  # fmt: skip
     s.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
     s.set_defaults(func=_cmd_serve, max_tokens=None)  # None: 30 s of the codec's audio
 
-    st = sub.add_parser("stats", help="print a server's live counters")
-    st.add_argument("name", nargs="?", default=DEFAULT_NAME)
+    st = sub.add_parser("stats", help="print a server's live counters; exits 0 only while it serves",
+                        formatter_class=HelpFormatter, description=STATS_DESCRIPTION)  # fmt: skip
+    st.add_argument("name", nargs="?", default=DEFAULT_NAME,
+                    help=f"the server's (or group's) name (default: {DEFAULT_NAME})")  # fmt: skip
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
                     help="refresh every SECONDS (default 1) until interrupted")  # fmt: skip
     st.set_defaults(func=_cmd_stats)
 
-    de = sub.add_parser("decode", help="decode token ids from files into a WAV through a running server")
-    de.add_argument("--name", default=DEFAULT_NAME, help=f"the server's name (default {DEFAULT_NAME})")
+    de = sub.add_parser("decode", help="decode token ids from files into a WAV through a running server",
+                        formatter_class=HelpFormatter)  # fmt: skip
+    de.add_argument("--name", default=DEFAULT_NAME, help="the server's name")
     de.add_argument("--semantic", required=True, metavar="FILE",
                     help="semantic ids in [0, 8192): .npy, or ints split by spaces/commas")  # fmt: skip
     de.add_argument("--global", dest="global_", required=True, metavar="FILE",
                     help="the 32 global ids in [0, 4096), same formats")  # fmt: skip
     de.add_argument("-o", "--output", required=True, metavar="WAV",
                     help="the 16 kHz mono int16 WAV to write ('-': standard output)")  # fmt: skip
-    de.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the audio (default 30)")
+    de.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the audio")
     de.set_defaults(func=_cmd_decode)
 
-    d = sub.add_parser("demo", help="a server and N client processes, checked against local decodes")
+    d = sub.add_parser("demo", help="a server and N client processes, checked against local decodes",
+                       formatter_class=HelpFormatter, parents=[logs])  # fmt: skip
     add_model_args(d)
     _add_server_args(d)
-    d.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
-    d.add_argument("--requests", type=int, default=4, help="requests per client (default 4)")
+    d.add_argument("--clients", type=int, default=4, help="client processes")
+    d.add_argument("--requests", type=int, default=4, help="requests per client")
     d.add_argument("--min-len", type=int, default=25, help="shortest request in tokens")
     d.add_argument("--max-len", type=int, default=75, help="longest request in tokens")
-    d.add_argument("--check", type=int, default=4, help="results to verify locally (default 4)")
+    d.add_argument("--check", type=int, default=4, help="results to verify against local decodes")
     d.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
     d.set_defaults(func=_cmd_demo, preset="spark-tts-0.5b")
 
@@ -137,14 +185,17 @@ def _parser() -> argparse.ArgumentParser:
     add_soak_arguments(so)
     so.set_defaults(func=_cmd_soak)
 
-    b = sub.add_parser("bench", help="throughput: shared server vs a decoder per process vs a Queue server")
+    b = sub.add_parser("bench", help="throughput: shared server vs a decoder per process vs a Queue server",
+                       formatter_class=HelpFormatter)  # fmt: skip
     from .bench import add_arguments as add_bench_arguments
 
     add_bench_arguments(b)
     b.set_defaults(func=_cmd_bench)
 
-    c = sub.add_parser("cleanup", help="unlink the objects of a name whose server is dead")
-    c.add_argument("name", nargs="?", default=DEFAULT_NAME)
+    c = sub.add_parser("cleanup", help="unlink the objects of a name whose server is dead",
+                       formatter_class=HelpFormatter)  # fmt: skip
+    c.add_argument("name", nargs="?", default=DEFAULT_NAME,
+                   help=f"the dead server's (or group's) name (default: {DEFAULT_NAME})")  # fmt: skip
     c.set_defaults(func=_cmd_cleanup)
     return p
 
@@ -152,13 +203,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="request slots in all")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
+    p.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
+                   help="request slots in all, shared by every client: size it to the requests in "
+                        "flight at once (workers x concurrency + 1)")  # fmt: skip
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="most rows in one forward pass")
     p.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
-                   help="how long a batch may wait to grow once a lane is free (default 0)")
+                   help="how long a batch may wait to grow once a lane is free")
     p.add_argument("--rejoin-ms", type=float, default=DEFAULT_REJOIN_MS,
                    help="how long a free lane waits for the clients it just answered to send "
-                        f"again; stops once they have (default {DEFAULT_REJOIN_MS})")  # fmt: skip
+                        "again; stops once they have")  # fmt: skip
     p.add_argument("--max-batch-tokens", type=_batch_tokens, default="auto",
                    help=f"padded-token budget per batch (rows x longest), or none; default "
                         f"{DEFAULT_MAX_BATCH_TOKENS} on CPU, "
@@ -168,7 +221,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "audio (BiCodec 1500, SNAC 24 kHz 352)")  # fmt: skip
     p.add_argument("--min-fill", type=float, default=DEFAULT_MIN_FILL,
                    help="a row joins a batch only if its shortest row stays >= this share of its "
-                        f"longest (default {DEFAULT_MIN_FILL})")  # fmt: skip
+                        "longest")  # fmt: skip
     p.add_argument("--lanes", type=int, default=None,
                    help="decode lanes sharing the weights (default: 1 on CUDA; on a CPU, chosen while "
                         "serving among 1, 2 and 4 by measuring each on the live traffic, every "
@@ -224,10 +277,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.max_tokens = default_max_frames(args.codec)
     codec = get_layout(args.codec)
     check_server_args(args)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     if group:  # one server per device, named NAME.K, under a supervisor
         from ..deploy.supervisor import parse_devices, serve_group
 

@@ -166,7 +166,7 @@ def _start_server(args: argparse.Namespace, name: str) -> subprocess.Popen:
            "--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms),
            "--rejoin-ms", str(args.rejoin_ms),
            "--max-batch-tokens", str(args.max_batch_tokens), "--min-fill", str(args.min_fill),
-           "--max-tokens", str(args.max_tokens))  # fmt: skip
+           "--max-tokens", str(args.max_tokens), "--log-level", args.log_level)  # fmt: skip
     if args.lanes:
         cmd += ["--lanes", str(args.lanes)]
     if args.model_dir:

@@ -21,7 +21,8 @@ SNAC_PRESETS = tuple(f"{size}-{rate}" for rate in ("24khz", "32khz", "44khz") fo
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
                    help="a Spark-TTS model folder or its BiCodec/ folder; for SNAC a folder with "
-                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz)")  # fmt: skip
+                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz); default: none, "
+                        "random weights of --preset")  # fmt: skip
     p.add_argument("--preset", default=None, choices=PRESETS + SNAC_PRESETS,
                    help="architecture with random weights when no --model-dir is given (default: "
                         "the codec's full size; tiny: a small one of the same token layout)")  # fmt: skip
@@ -29,7 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="torch device, e.g. cuda:0; for serve, several separated by commas "
                         "(cuda:0,cuda:1) run one server per device as a group")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's own choice, one per core)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype; norms, Snake and audio stay float32 (default float32)")  # fmt: skip
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,

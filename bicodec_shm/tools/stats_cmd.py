@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 import time
 
 from ..codecs.layout import get_layout
 from ..errors import BiCodecShmError
 from ..protocol.group import GroupInfo, group_stats, read_group
-from ..protocol.header import read_header, stats_from_header
+from ..protocol.header import read_header, read_slot_owners, stats_from_header
 from ..protocol.layout import MAGIC, Phase
 from ..protocol.names import ServerState, probe
 from ..protocol.served import describe_served
@@ -41,6 +42,7 @@ def pid_clause(name: str) -> str:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    """Exit status 0 only while a live server (or group) serves the name: a health probe."""
     if args.watch is not None and args.watch <= 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
     info = read_group(args.name)
@@ -48,18 +50,35 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         return _group_stats(args, info)
     header = read_header(args.name)
     if header is None:
-        raise BiCodecShmError(f"no bicodec-shm segment named {args.name!r} in /dev/shm; "
+        raise BiCodecShmError(f"nothing serves {args.name!r}: no bicodec-shm segment of that name in "
+                              f"/dev/shm; start a server with `bicodec-shm serve --name {args.name}`. "
                               f"{describe_served(exclude=args.name)}")  # fmt: skip
     stats = _stats(args.name, header)
-    if args.watch is None:
-        print(json.dumps(stats, indent=2) if args.json else format_stats(args.name, stats))
+    if args.watch is not None:
+        return _watch(args, stats)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(args.name, stats))
+    return _probe_status(args.name, stats["state"], f"its server (pid {stats['server_pid']})")
+
+
+def _probe_status(name: str, state: str, who: str) -> int:
+    """0 if ``state`` is serving; else 1, with one line on standard error saying what to do."""
+    if state == ServerState.SERVING.value:
         return 0
-    return _watch(args, stats)
+    if state == ServerState.BUSY.value:
+        why = f"{who} is starting or stopping; try again in a moment"
+    else:
+        why = (f"{who} died; start a new server under the name (it takes the leftovers over), or "
+               f"remove them with `bicodec-shm cleanup {name}`")  # fmt: skip
+    print(f"bicodec-shm: {name!r} is not served: {why}", file=sys.stderr)
+    return 1
 
 
 def _stats(name: str, header) -> dict:
     stats = stats_from_header(header)
-    stats["server_alive"] = probe(name) is ServerState.SERVING
+    state = probe(name)
+    stats["state"] = state.value  # serving | busy (starting or stopping) | dead
+    stats["server_alive"] = state is ServerState.SERVING
+    stats.update(read_slot_owners(name) or {})
     return stats
 
 
@@ -104,7 +123,12 @@ def _group_stats(args: argparse.Namespace, info: GroupInfo) -> int:
     stats["serving"] = bool(stats["supervisor_alive"] and stats["members_serving"])
     if args.watch is None:
         print(json.dumps(stats, indent=2) if args.json else format_group_stats(stats))
-        return 0
+        if stats["serving"]:
+            return 0
+        if stats["supervisor_alive"]:  # its members are (re)starting
+            return _probe_status(args.name, ServerState.BUSY.value, "every member of the group")
+        return _probe_status(args.name, ServerState.DEAD.value,
+                             f"the group's supervisor (pid {stats['supervisor_pid']})")  # fmt: skip
     if not args.json:
         print(format_group_stats(stats))
         print(f"{WATCH_COLUMNS}  member", flush=True)
@@ -211,19 +235,32 @@ def _frames_per_second(stats: dict) -> float:
         return TOKENS_PER_SECOND
 
 
+_STATE_WORDS = {"serving": "alive", "busy": "starting or stopping", "dead": "dead"}
+
+
 def stats_rows(stats: dict) -> list[tuple[str, object]]:
     """The rows of ``format_stats`` after the segment's name."""
-    return [
-        ("server pid", f"{stats['server_pid']} ({'alive' if stats.get('server_alive') else 'dead'})"),
+    state = stats.get("state", "serving" if stats.get("server_alive") else "dead")
+    rows = [
+        ("server pid", f"{stats['server_pid']} ({_STATE_WORDS.get(state, state)})"),
+        ("codec", stats.get("codec", "-")),
         ("slots / max tokens", f"{stats['slots']} / {stats['max_tokens']}"),
+    ]
+    if "attached_clients" in stats:
+        rows.append(("slots held (ready, busy)", f"{stats['owned']} ({stats['ready']}, {stats['busy']})"))
+        rows.append(("attached clients", stats["attached_clients"]))
+    rows += [
+        ("lanes (busy)", f"{stats['lanes']} ({stats['busy_lanes']})"),
         ("requests", stats["requests"]),
         ("failed", stats["failed"]),
         ("batches", stats["batches"]),
         ("avg batch size", f"{stats['avg_batch_size']:.2f}"),
         ("avg batch time", f"{stats['avg_batch_time_ms']:.2f} ms"),
         ("avg queue wait", f"{stats['avg_queue_wait_ms']:.2f} ms"),
+        ("avg latency", f"{stats['avg_latency_ms']:.2f} ms (submit to answer)"),
         ("tokens (padded)", f"{stats['tokens']} ({stats['padded_tokens']})"),
-        ("reclaimed slots", stats["reclaimed"]),
+        ("host gap", f"{stats['host_gap_ms']:.1f} ms (lanes idle while decodable work waited for the host)"),
+        ("reclaimed slots", f"{stats['reclaimed']} (of clients that died or gave up)"),
         ("batch sizes", " ".join(f"{b}:{n}" for b, n in stats["batch_size_histogram"].items()) or "-"),
-        ("codec", stats.get("codec", "-")),
     ]
+    return rows

@@ -213,11 +213,13 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                         "the same seconds)")  # fmt: skip
     p.add_argument("--systems", default=",".join(SYSTEM_KEYS),
                    help=f"comma-separated subset of {','.join(SYSTEM_KEYS)} (limit needs shm)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
     p.add_argument("--cores", type=int, default=None,
                    help="CPU cores to share out (default: those this process may use)")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
-    p.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS)
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="most rows per batch, for every batching system")  # fmt: skip
+    p.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
+                   help="how long a batch may wait to grow, for every batching system")  # fmt: skip
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help=f"padded-token budget per batch (default {DEFAULT_MAX_BATCH_TOKENS} on CPU, "
                         f"{DEFAULT_CUDA_MAX_BATCH_TOKENS} on CUDA)")  # fmt: skip
@@ -257,7 +259,7 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
     p.add_argument("--out-dir", default=out_dir, metavar="DIR",
                    help=f"folder of the default JSON and PNG (default {out_dir}, relative to the "
                         "current folder; the run prints the full path first)")  # fmt: skip
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

@@ -41,6 +41,9 @@ from .model_args import CODECS, add_model_args, load_decoder, resolve_preset
 from .stats_cmd import _cmd_stats, marked_stopping, pid_clause
 
 DEFAULT_NAME = "bicodec-shm"
+# Every command's name defaults to $BICODEC_SHM_NAME when it is set (the examples' servers and
+# workers read the same variable), so that an operator sets the name once per host or container.
+NAME_ENV = "BICODEC_SHM_NAME"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 STATS_DESCRIPTION = """\
 Prints a server's live counters (a group's: its members side by side).
@@ -125,13 +128,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"bicodec-shm {__version__}")
     sub = p.add_subparsers(metavar="COMMAND")
     logs = _logging_options()
+    name = os.environ.get(NAME_ENV) or DEFAULT_NAME
+    named = f"(default: ${NAME_ENV} if set, else {DEFAULT_NAME})"
 
     s = sub.add_parser("serve", help="run the decoder server (owns the model and the segment)",
                        formatter_class=HelpFormatter, parents=[logs])  # fmt: skip
     add_model_args(s)
     s.add_argument("--codec", default="bicodec", choices=CODECS,
                    help="the codec served; snac-24khz is Orpheus TTS's")  # fmt: skip
-    s.add_argument("--name", default=DEFAULT_NAME, help="segment name clients attach to")
+    s.add_argument("--name", default=name, help=f"segment name clients attach to {named}")
     _add_server_args(s)
     s.add_argument("--mode", default="0o600", type=_octal,
                    help="permissions of every object: 0o600 this user, 0o660 also the group")  # fmt: skip
@@ -145,8 +150,7 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="print a server's live counters; exits 0 only while it serves",
                         formatter_class=HelpFormatter, description=STATS_DESCRIPTION)  # fmt: skip
-    st.add_argument("name", nargs="?", default=DEFAULT_NAME,
-                    help=f"the server's (or group's) name (default: {DEFAULT_NAME})")  # fmt: skip
+    st.add_argument("name", nargs="?", default=name, help=f"the server's (or group's) name {named}")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
                     help="refresh every SECONDS (default 1) until interrupted")  # fmt: skip
@@ -154,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
 
     de = sub.add_parser("decode", help="decode token ids from files into a WAV through a running server",
                         formatter_class=HelpFormatter)  # fmt: skip
-    de.add_argument("--name", default=DEFAULT_NAME, help="the server's name")
+    de.add_argument("--name", default=name, help=f"the server's name {named}")
     de.add_argument("--semantic", required=True, metavar="FILE",
                     help="semantic ids in [0, 8192): .npy, or ints split by spaces/commas")  # fmt: skip
     de.add_argument("--global", dest="global_", required=True, metavar="FILE",
@@ -194,8 +198,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cleanup", help="unlink the objects of a name whose server is dead",
                        formatter_class=HelpFormatter)  # fmt: skip
-    c.add_argument("name", nargs="?", default=DEFAULT_NAME,
-                   help=f"the dead server's (or group's) name (default: {DEFAULT_NAME})")  # fmt: skip
+    c.add_argument("name", nargs="?", default=name, help=f"the dead server's (or group's) name {named}")
     c.set_defaults(func=_cmd_cleanup)
     return p
 

@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bicodec_shm.client.streaming import CODEC_PRESETS, DecodeStream, StreamSettings  # noqa: E402
 from bicodec_shm.model.dac import DACDecoder  # noqa: E402
 from bicodec_shm.model.precision import snr_db  # noqa: E402
-from bicodec_shm.streaming import CODEC_PRESETS, DecodeStream, StreamSettings  # noqa: E402
 
 
 def to_int16(audio: np.ndarray) -> np.ndarray:

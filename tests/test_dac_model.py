@@ -17,7 +17,7 @@ from upstream_dac import load_dac, make_dac, upstream
 
 from bicodec_shm.codecs import DAC_16KHZ, DAC_24KHZ, DAC_44KHZ
 from bicodec_shm.errors import CheckpointError
-from bicodec_shm.model import checkpoint as shared
+from bicodec_shm.model import weights as shared
 from bicodec_shm.model.dac import DACConfig, DACDecoder
 from bicodec_shm.model.dac.config import PRESETS
 from bicodec_shm.model.precision import snr_db

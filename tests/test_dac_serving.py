@@ -16,12 +16,15 @@ import pytest
 import torch
 from support import seed_int16
 
-from bicodec_shm.cli import CODECS, _parser, default_max_frames, load_decoder, resolve_preset
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.codecs import DAC_24KHZ, DAC_44KHZ, LAYOUTS, check_request, codes_to_dia, dia_to_codes
+from bicodec_shm.codecs.layout import default_max_frames
 from bicodec_shm.model.dac import DACDecoder
 from bicodec_shm.model.registry import decoder_class
-from bicodec_shm.transport import MAX_LEVELS, Segment
+from bicodec_shm.protocol.layout import MAX_LEVELS
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.tools.cli import _parser
+from bicodec_shm.tools.model_args import CODECS, load_decoder, resolve_preset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DAC_WORKER = os.path.join(HERE, "dac_worker.py")

@@ -13,10 +13,10 @@ import pytest
 import torch
 from support import seed_int16
 
+from bicodec_shm.client.streaming import CODEC_PRESETS, DecodeStream
 from bicodec_shm.codecs import LAYOUTS
 from bicodec_shm.model.dac import DACDecoder
 from bicodec_shm.model.precision import snr_db
-from bicodec_shm.streaming import CODEC_PRESETS, DecodeStream
 
 TOL = 1e-5
 
@@ -84,7 +84,7 @@ def test_streams_through_a_dac_server_process_equal_the_full_lone_decode(start_s
     """Three streams of one utterance at once through `serve --codec dac-24khz --preset tiny` (a
     real server process): `exact` equals the full lone decode (int16 within 1 LSB, float32 within
     1e-5) and `default` equals the same stream decoded in this process."""
-    from bicodec_shm.client import DecoderClient
+    from bicodec_shm.client.decoder_client import DecoderClient
 
     start_server("--codec", "dac-24khz", "--slots", "8", "--max-wait-ms", "20", "--min-fill", "0")
     model = DACDecoder.from_config("tiny-24khz", seed=0)  # the server's model

@@ -158,7 +158,7 @@ def test_dry_run_runs_every_step_with_valid_flags(tmp_path) -> None:
         argv = commands[f"bench_model_{dtype}"]
         args = bench_model.build_parser().parse_args(argv[argv.index("benchmarks/bench_model.py") + 1 :])
         assert (args.device, args.dtype, args.cuda_graphs, args.grid) == ("cuda:0", (dtype,), "both", True)
-    from bicodec_shm.cli import _parser
+    from bicodec_shm.tools.cli import _parser
 
     bench = commands["bench_throughput"]
     args = _parser().parse_args(bench[bench.index("bicodec_shm") + 1 :])

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from support import reap
 
-from bicodec_shm.lane_tuner import LaneTuner, LaneTuning
-from bicodec_shm.lanes import lane_threads
-from bicodec_shm.transport import stats_from_header
+from bicodec_shm.protocol.header import stats_from_header
+from bicodec_shm.server.lane_tuner import LaneTuner, LaneTuning
+from bicodec_shm.server.lanes import lane_threads
 
 CLIENT = str(Path(__file__).with_name("closed_loop_client.py"))
 

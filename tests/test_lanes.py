@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from bicodec_shm.lanes import STOP, Lane, Runner
-from bicodec_shm.slot_io import Batch, Requests
+from bicodec_shm.protocol.slot_io import Batch, Requests
+from bicodec_shm.server.lanes import STOP, Lane, Runner
 
 HOP = 320
 N_GLOBAL = 32

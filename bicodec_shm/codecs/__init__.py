@@ -1,9 +1,16 @@
-"""Torch-free descriptions of each codec's tokens (``CodecLayout``), and the token layouts of the
-TTS models that emit them: Orpheus's (SNAC 24 kHz) and Dia's (DAC 44 kHz).
+"""Torch-free descriptions of each codec's tokens: the lowest layer, which every other imports.
 
-The client imports these to validate a request before it writes anything; the model package
-has one decoder per codec (``model.BiCodecDecoder``, ``model.snac.SNACDecoder``,
-``model.dac.DACDecoder``).
+    layout.py       ``CodecLayout``: each codec's levels, rates, vocabularies, samples per frame,
+                    sample rate; the registry of known layouts (``LAYOUTS``)
+    validation.py   token arrays from what callers pass (lists, numpy, torch tensors without
+                    importing torch), checked before anything is written
+    orpheus.py      Orpheus TTS's audio-token ids and ``<custom_token_N>`` text <-> SNAC codes
+    dia.py          Dia's delayed audio tokens <-> DAC 44 kHz codes
+
+The client imports these to validate a request before it writes anything; the model package has
+one decoder per codec (``model/bicodec/``, ``model/snac/``, ``model/dac/``).
+
+May import: ``errors`` only (and numpy). Never torch.
 """
 
 from .dia import codes_to_dia, dia_to_codes

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..validation import as_token_array
+from .validation import as_token_array
 
 
 @dataclass(frozen=True)

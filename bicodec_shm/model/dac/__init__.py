@@ -4,8 +4,8 @@
 Owns DAC's config and presets, its blocks (``layers``), its ``weights.pth`` loader
 (``checkpoint``), the decoder and its server adapter (``serving``). May import what every
 codec shares in ``model`` (``modules``, ``config_values``, ``inputs``, ``precision``,
-``random_weights``, ``checkpoint``'s weight-norm and state-dict helpers), ``codecs`` (its
-torch-free layout), ``slot_io`` (the adapter's batch) and ``errors``; never another codec's model.
+``random_weights``, ``weights``), ``codecs`` (its torch-free layout), ``protocol.slot_io`` (the
+batch its adapter reads) and ``errors``; never another codec's folder.
 """
 
 from .config import DACConfig

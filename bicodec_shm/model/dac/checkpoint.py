@@ -8,7 +8,7 @@ The file is what ``dac.DAC.save(path, package=False)`` writes (audiotools' ``Bas
 
 Only the decode path is read: ``quantizer.quantizers.i.codebook`` / ``out_proj`` and
 ``decoder.model.*``. Its weight-normalised convolutions may be stored in any of the three forms
-``..checkpoint.FORMS`` lists (dac's ``torch.nn.utils.weight_norm`` saves ``weight_g`` /
+``..weights.FORMS`` lists (dac's ``torch.nn.utils.weight_norm`` saves ``weight_g`` /
 ``weight_v``; a model re-saved with torch's parametrizations has ``original0/1``; a converted one
 folded weights), and are folded once.
 """
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
-from .. import checkpoint as shared
+from .. import weights as shared
 from .config import DACConfig
 
 WEIGHTS_FILE = "weights.pth"

@@ -105,7 +105,7 @@ class DACDecoder(nn.Module):
         return apply_dtype(model.to(device), dtype).eval()
 
     def codec_adapter(self) -> Any:
-        """How the server decodes a batch of DAC requests (``adapters.codec_adapter``)."""
+        """How the server decodes a batch of DAC requests (``server.adapters.codec_adapter``)."""
         from .serving import DACAdapter
 
         return DACAdapter(self)

@@ -1,4 +1,4 @@
-"""How the server decodes a batch of DAC requests (``adapters.CodecAdapter`` for DAC).
+"""How the server decodes a batch of DAC requests (``server.adapters.CodecAdapter`` for DAC).
 
 A DAC request is one level per codebook, each one code per frame; the batch's levels stack into
 the decoder's (B, n_codebooks, T). DAC has no noise and no global ids, so a slot's seed, flags
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ...codecs.layout import CodecLayout
-from ...slot_io import Batch
+from ...protocol.slot_io import Batch
 
 
 class DACAdapter:

@@ -97,15 +97,16 @@ class CodecLayout:
 
     def describe(self) -> str:
         """One line for messages and ``stats``: ``snac-24khz: 3 levels at 1:2:4 ...``."""
-        rates = ":".join(map(str, self.level_rates))
+        levels = f"{self.n_levels} level(s) at {':'.join(map(str, self.level_rates))} codes per frame"
         vocab = "/".join(map(str, self.level_vocab))
         if self.n_levels > 4 and len(set(self.level_rates)) == len(set(self.level_vocab)) == 1:
-            # 32 codebooks would print 32 rates and 32 vocabularies: say it once.
-            rates, vocab = f"{self.level_rates[0]} each", f"{self.level_vocab[0]} each"
+            # DAC 24 kHz's 32 codebooks would print 32 rates and 32 vocabularies: say it once.
+            levels = f"{self.n_levels} level(s) of {self.level_rates[0]} code(s) per frame each"
+            vocab = f"{self.level_vocab[0]} each"
         glob = f", {self.n_global} global ids" if self.takes_global_ids else ", no global ids"
         return (
-            f"{self.name}: {self.n_levels} level(s) at {rates} codes per frame, vocab "
-            f"{vocab}, {self.samples_per_frame} samples per frame at {self.sample_rate} Hz{glob}"
+            f"{self.name}: {levels}, vocab {vocab}, {self.samples_per_frame} samples per frame "
+            f"at {self.sample_rate} Hz{glob}"
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -192,6 +192,26 @@ MUTANTS: tuple[Mutant, ...] = (
       "if confirmed.get(s) == t]",
       "if s in confirmed]",
       "tests/test_dispatch.py"),
+    # -- issue 28's findings, each brought back -------------------------------------------------
+    Mutant("i28-2-host-launches-share-one-buffer", "a host-output asynchronous decoder's launches "
+           "convert at launch into one shared buffer (batch k overwrites k-1's unpublished audio)",
+           (("bicodec_shm/server/lanes.py",
+             "return _InFlight(batch, None, t0, event, finish=convert)",
+             "return _InFlight(batch, convert(), t0, event)"),
+            ("bicodec_shm/server/lanes.py",
+             "pinned, host = self._pinned[self._flip], self._host[self._flip]",
+             "pinned, host = self._pinned[self._flip], self._host[0]")),
+           ("tests/test_lanes.py", "-k", "pipelined_host_output")),  # fmt: skip
+    m("i28-2-host-output-converted-at-launch", "a host output converted before its event completes",
+      "bicodec_shm/server/lanes.py",
+      "return _InFlight(batch, None, t0, event, finish=convert)",
+      "return _InFlight(batch, convert(), t0, event)",
+      "tests/test_lanes.py", "-k", "host"),
+    m("i28-2-host-launches-in-flight-share-buffers", "two host launches in flight convert into one set",
+      "bicodec_shm/server/lanes.py",
+      "pinned, host = self._pinned[self._flip], self._host[self._flip]",
+      "pinned, host = self._pinned[self._flip], self._host[0]",
+      "tests/test_lanes.py", "-k", "host"),
 )
 
 

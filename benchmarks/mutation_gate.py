@@ -212,6 +212,21 @@ MUTANTS: tuple[Mutant, ...] = (
       "pinned, host = self._pinned[self._flip], self._host[self._flip]",
       "pinned, host = self._pinned[self._flip], self._host[0]",
       "tests/test_lanes.py", "-k", "host"),
+    m("i28-6-tuner-assumes-every-lane-busy", "the lane tuner scores decode time / tokens / lanes",
+      "bicodec_shm/server/lane_tuner.py",
+      "return sum(s.share_ns for s in self.samples) / 1e9 / tokens if",
+      "return sum(s.decode_ns for s in self.samples) / 1e9 / tokens / self.lanes if",
+      "tests/test_lane_tuner.py", "-k", "load_it_sees or one-client"),
+    m("i28-6-busy-time-not-shared", "decodes running at once each count the whole time",
+      "bicodec_shm/server/lane_tuner.py",
+      "self._shared += (now - self._at) / self._running",
+      "self._shared += now - self._at",
+      "tests/test_lane_tuner.py", "-k", "share or load_it_sees"),
+    m("i28-6-server-gives-no-share", "the server gives the tuner each batch's decode time, not its share",
+      "bicodec_shm/server/server.py",
+      "len(req), len(req) * int(batch.semantic.shape[1]), share)",
+      "len(req), len(req) * int(batch.semantic.shape[1]), None)",
+      "tests/test_lane_tuner.py", "-k", "narrow"),
 )
 
 

@@ -223,9 +223,9 @@ MUTANTS: tuple[Mutant, ...] = (
       "self._shared += now - self._at",
       "tests/test_lane_tuner.py", "-k", "share or load_it_sees"),
     m("i28-6-server-gives-no-share", "the server gives the tuner each batch's decode time, not its share",
-      "bicodec_shm/server/server.py",
-      "len(req), len(req) * int(batch.semantic.shape[1]), share)",
-      "len(req), len(req) * int(batch.semantic.shape[1]), None)",
+      "bicodec_shm/server/lane_tuner.py",
+      "return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, share)",
+      "return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, None)",
       "tests/test_lane_tuner.py", "-k", "narrow"),
 )
 

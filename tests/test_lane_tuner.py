@@ -29,7 +29,7 @@ import torch
 from support import reap
 
 from bicodec_shm.protocol.header import stats_from_header
-from bicodec_shm.server.lane_tuner import BatchSample, BusyClock, LaneTuner, LaneTuning
+from bicodec_shm.server.lane_tuner import BatchMeter, BatchSample, BusyClock, LaneTuner, LaneTuning
 from bicodec_shm.server.lanes import lane_threads
 
 CLIENT = str(Path(__file__).with_name("closed_loop_client.py"))
@@ -158,10 +158,11 @@ def _simulate(tuner: LaneTuner, clock: _Clock, cost_ms: Callable[[int, int, int]
     (each sends its next ``turnaround_ms`` after its answer) with ``tuner.lanes`` lanes of
     ``cores // lanes`` threads: a free lane that is not parked takes the oldest waiting requests
     (up to ``max_batch``) and decodes them in ``cost_ms(threads, rows, tokens)`` ms; each decoded
-    batch goes to the tuner, as the server feeds it. Events of one instant are taken together
-    before any lane plans. Returns every request's latency (ms), in order."""
+    batch goes to the tuner, measured as the server measures it (``BatchMeter``). Events of one
+    instant are taken together before any lane plans. Returns every request's latency (ms), in
+    order."""
     ms = 1_000_000
-    busy_clock = BusyClock(clock)  # as the server's: a batch's share of the time lanes were busy
+    meter = BatchMeter(clock)  # the server's: each batch's share of the time lanes were busy
     events: list[tuple[int, int, str, object]] = []  # (time, order, kind, what)
     order = iter(range(10**9))
     for c in range(clients):
@@ -179,10 +180,10 @@ def _simulate(tuner: LaneTuner, clock: _Clock, cost_ms: Callable[[int, int, int]
                     sent += 1
                     waiting.append((what, clock.ns))
                 continue
-            lane, batch, planned, mark = what  # a batch is done
+            lane, batch, planned, key = what  # a batch is done
             busy.discard(lane)
-            tuner.observe(BatchSample(planned, planned, clock.ns, tokens * len(batch), len(batch),
-                                      tokens * len(batch), busy_clock.end(mark)))  # fmt: skip
+            tuner.observe(meter.end(key, planned_ns=planned, tokens=tokens * len(batch), rows=len(batch),
+                                    padded_tokens=tokens * len(batch)))  # fmt: skip
             for client, sent_at in batch:
                 latencies.append((clock.ns - sent_at) / ms)
                 heapq.heappush(events, (clock.ns + int(turnaround_ms * ms), next(order), "send", client))
@@ -191,7 +192,9 @@ def _simulate(tuner: LaneTuner, clock: _Clock, cost_ms: Callable[[int, int, int]
                 batch, waiting = waiting[:max_batch], waiting[max_batch:]
                 busy.add(lane)
                 took = int(cost_ms(cores // tuner.lanes, len(batch), tokens) * ms)
-                what = (lane, batch, clock.ns, busy_clock.begin())
+                key = next(order)
+                meter.begin(key)
+                what = (lane, batch, clock.ns, key)
                 heapq.heappush(events, (clock.ns + took, next(order), "done", what))
     return latencies
 

@@ -46,8 +46,8 @@ Phases::
 
 Every choice is logged with the scores behind it. A fixed ``--lanes`` bypasses all of this.
 The tuner is pure bookkeeping (no threads, an injectable clock): the server feeds it decoded
-batches and applies what it returns; the server's ``BusyClock`` (one lock, which every lane
-calls) gives each batch its share. A window keeps its samples whole (``Window.samples``), so
+batches and applies what it returns; the server's ``BatchMeter`` (one lock, which every lane
+calls) measures each batch and its share. A window keeps its samples whole (``Window.samples``), so
 that other measures of the same batches (cost by rows or by padding) need no new plumbing.
 """
 
@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,6 +161,35 @@ class BusyClock:
         if self._running:
             self._shared += (now - self._at) / self._running
         self._at = now
+
+
+class BatchMeter:
+    """The server's measuring of its batches: when each began, and at its end its
+    ``BatchSample`` with its share of the busy time (``busy``, a ``BusyClock``). A key names a
+    batch while it runs (the server's: one per batch in flight); ``begin`` and ``end`` may be
+    called from any lane's thread.
+
+    Args:
+        clock: monotonic nanoseconds (tests step it by hand).
+    """
+
+    def __init__(self, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self._clock = clock
+        self.busy = BusyClock(clock)
+        self._running: dict[Hashable, tuple[int, float]] = {}  # key -> (began ns, busy mark)
+
+    def begin(self, key: Hashable) -> None:
+        self._running[key] = (self._clock(), self.busy.begin())
+
+    def end(self, key: Hashable, *, planned_ns: int, tokens: int, rows: int = 1,
+            padded_tokens: int = 0) -> BatchSample | None:  # fmt: skip
+        """The batch ``key`` ended: its sample (None if it did not begin here)."""
+        begun = self._running.pop(key, None)
+        if begun is None:
+            return None
+        start_ns, mark = begun
+        share = self.busy.end(mark)
+        return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, share)
 
 
 @dataclass

@@ -75,7 +75,7 @@ from .batching import (
     default_max_batch_tokens,
     plan_batch,
 )
-from .lane_tuner import BatchSample, BusyClock, LaneTuner, LaneTuning
+from .lane_tuner import BatchMeter, LaneTuner, LaneTuning
 from .lanes import STOP, Decoded, Lane, Runner, lane_threads
 from .signals import on_stop_signals
 
@@ -202,9 +202,7 @@ class DecoderServer:
         self.max_lanes = candidates[-1] if self._tuner else self.lanes  # lane threads started
         self._turns = threading.Condition()  # parked lanes wait here for their turn
         self._tuner_lock = threading.Lock()
-        # What the tuner measures: each batch's share of the time some lane was decoding.
-        self._busy = BusyClock()
-        self._running: dict[int, tuple[int, float]] = {}  # id(batch) -> (started ns, busy mark)
+        self._meter = BatchMeter()  # each batch's share of the time some lane was decoding
         self._pipeline = cuda or bool(getattr(decoder, "asynchronous", False))
         self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
         self.semantic_vocab = self.codec.level_vocab[0]
@@ -640,7 +638,7 @@ class DecoderServer:
             seg.counters[C_HOST_GAP] += max(0, now - waited_since)
             seg.header["busy_lanes"] += 1
         if self._tuner is not None:
-            self._running[id(batch)] = (now, self._busy.begin())
+            self._meter.begin(id(batch))
 
     def _lane_finished(self, batch: Batch, lane: int) -> None:
         if self._tuner is not None:
@@ -652,24 +650,20 @@ class DecoderServer:
             self.segment.header["busy_lanes"] -= 1
 
     def _measure(self, batch: Batch) -> None:
-        """Give the tuner a finished batch (in its lane's thread), with its share of the busy
-        time; apply the tuner's choice. Its answers are out already: nothing here touches them."""
+        """Give the tuner a finished batch (in its lane's thread) and apply its choice."""
+        req = batch.requests
         try:
-            started_ns, mark = self._running.pop(id(batch))
-            share = self._busy.end(mark)
+            sample = self._meter.end(id(batch), planned_ns=batch.started_ns, tokens=int(req.lengths.sum()),
+                                     rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]))
             # Only a batch decoded with the thread count of the arrangement being measured: right
             # after a switch, a lane being parked may still finish one with its old count.
-            if lane_threads() != max(1, self._cores // self._tuner.lanes):
-                return
-            req = batch.requests
-            sample = BatchSample(batch.started_ns, started_ns, time.monotonic_ns(), int(req.lengths.sum()),
-                                 len(req), len(req) * int(batch.semantic.shape[1]), share)  # fmt: skip
-            with self._tuner_lock:
-                choice = self._tuner.observe(sample)
-            if choice is not None:
-                self._apply_lanes(choice.lanes)
+            if sample is not None and lane_threads() == max(1, self._cores // self._tuner.lanes):
+                with self._tuner_lock:
+                    choice = self._tuner.observe(sample)
+                if choice is not None:
+                    self._apply_lanes(choice.lanes)
         except Exception:
-            log.exception("measuring a batch of %d failed (its answers are unaffected)", len(batch.requests))
+            log.exception("measuring a batch of %d failed (its answers are unaffected)", len(req))
 
     # -- reaping ----------------------------------------------------------------------------
 

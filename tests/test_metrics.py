@@ -257,7 +257,10 @@ def test_scrapes_during_and_after_load_match_the_requests_and_stats(start_server
         raw.close()
     decoded = len(done) + 1
     # Nothing moved between the scrape and `stats`: the same header, read twice.
-    assert stats == json.loads(json.dumps({**stats_from_header(header), "server_alive": True}))
+    slots = {k: stats.pop(k) for k in ("owned", "ready", "busy", "attached_clients")}
+    assert stats == json.loads(json.dumps({**stats_from_header(header), "server_alive": True, "state": "serving"}))
+    assert slots["owned"] == _get(after, "bicodec_shm_slots_owned")
+    assert slots["attached_clients"] == _get(after, "bicodec_shm_attached_clients")
     assert _get(after, "bicodec_shm_requests_total") == stats["requests"] == decoded + len(BAD_REQUESTS)
     for status in Status:
         if status != Status.OK:

@@ -10,6 +10,10 @@ provides an adapter with two members::
 A decoder that plays an asynchronous device (the bench's stand-in, ``asynchronous = True``)
 also has ``launch(...)``, which returns its output at once with an event whose
 ``synchronize()`` waits for the "device"; the BiCodec adapter passes it on as ``launch(batch)``.
+The server reads a launch's output only after its event has completed, and it launches batch
+k before it reads batch k-1's output: so each launch returns an output of its own, which no
+later launch writes (sharing one is safe only for an output nobody writes, as the stand-in's
+zeros). Its inputs are the batch's own copies, kept unchanged until the batch is published.
 
 A decoder names its adapter with a ``codec_adapter()`` method (``SNACDecoder`` does); one
 without it is taken as BiCodec (``detokenize(semantic, global_ids, lengths)``, as

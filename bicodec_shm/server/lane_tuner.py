@@ -6,18 +6,32 @@ its state (cache, memory bandwidth, other tenants) and on the traffic (many shor
 one lane's larger batches; long utterances favour parallel narrow decodes). The same 2-core VM
 measured both orders an hour apart (benchmarks/RESULTS.md), so no constant holds.
 
-How: the tuner tries each arrangement on the live traffic in turn and keeps the one that
-spends the least machine time per token of audio, measured on the batches it decodes::
+How: the tuner tries each arrangement on the live traffic in turn and keeps the one whose
+decoding keeps the machine busy for the least time per token of audio, measured on the batches
+it decodes (each a ``BatchSample``: when it was planned, when its decode began and ended, its
+rows and tokens, and its share of the busy time)::
 
-    score = sum(batch decode time) / sum(batch tokens) / lanes     lower wins
+    score = sum(batch shares) / sum(batch tokens)     lower wins
+    share = the integral, over the batch's decode, of 1 / (decodes running then)   (BusyClock)
 
-K lanes decode K batches at once, so a lane's decode time is worth 1/K of the machine's. The
-batches are the live traffic's, so the score carries everything that differs between the
-arrangements: a wide decode's thread scaling, narrow decodes running side by side (and
-contending for memory bandwidth), and the smaller batches that K lanes form from the same
-requests. It needs no request to finish its whole queueing (an end-to-end latency would), so a
-window closes after a few batches: on a full-size CPU decode of seconds a batch, a first choice
-comes within about a minute of traffic.
+The shares of all batches sum to the busy time: the wall time during which at least one lane
+decoded. A batch that ran alone costs its whole decode time; beside another, half of it. (The
+server keeps the count of decodes running, so a batch's share is exact even when its
+neighbour belongs to no window: a window closes while batches of its arrangement still run.)
+
+What the traffic gets is in the overlap. Under heavy load every lane is busy at once, the busy
+time is the window's wall time, and the score is one over the throughput: K narrow lanes score
+K batches per decode time. Under light load (one request at a time) the lanes take turns, the
+busy time is the sum of the decode times, and the score is the decode time per token that each
+request waits: narrow lanes, each slower, score slower. (Decode time / tokens / K would assume
+the first case always: with one client it would choose two one-thread lanes over one two-thread
+lane that decodes each request 1.6x faster.) Between the two, the overlap the traffic really
+makes decides. The batches are the live traffic's, so the score also carries everything else
+that differs between the arrangements: a wide decode's thread scaling, narrow decodes contending
+for memory bandwidth, and the smaller batches that K lanes form from the same requests. It needs
+no request to finish its whole queueing (an end-to-end latency would), so a window closes after
+a few batches: on a full-size CPU decode of seconds a batch, a first choice comes within about a
+minute of traffic.
 
 Phases::
 
@@ -32,14 +46,17 @@ Phases::
 
 Every choice is logged with the scores behind it. A fixed ``--lanes`` bypasses all of this.
 The tuner is pure bookkeeping (no threads, an injectable clock): the server feeds it decoded
-batches and applies what it returns.
+batches and applies what it returns; the server's ``BatchMeter`` (one lock, which every lane
+calls) measures each batch and its share. A window keeps its samples whole (``Window.samples``), so
+that other measures of the same batches (cost by rows or by padding) need no new plumbing.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,18 +91,130 @@ class LaneTuning:
             raise ValueError(f"lane tuning margin must be in [0, 1), got {self.margin}")
 
 
+@dataclass(frozen=True)
+class BatchSample:
+    """One decoded batch as the server measured it (times: monotonic ns).
+
+    Args:
+        planned_ns: when it was planned (a window counts only batches planned after it began).
+        start_ns: when its decode began.
+        end_ns: when its decode ended (its rows answered).
+        tokens: its valid tokens (the rows' lengths summed).
+        rows: its rows.
+        padded_tokens: rows x its longest row's tokens (0: not given).
+        busy_ns: its share of the busy time (``BusyClock``); None: it ran alone (its decode time).
+    """
+
+    planned_ns: int
+    start_ns: int
+    end_ns: int
+    tokens: int
+    rows: int = 1
+    padded_tokens: int = 0
+    busy_ns: int | None = None
+
+    @property
+    def decode_ns(self) -> int:
+        return max(0, self.end_ns - self.start_ns)
+
+    @property
+    def share_ns(self) -> int:
+        """Its share of the busy time: ``busy_ns``, else its decode time."""
+        return self.decode_ns if self.busy_ns is None else max(0, self.busy_ns)
+
+
+class BusyClock:
+    """Shares the wall time among the decodes that run at once.
+
+    A decode's share is the integral, over its run, of 1 / (decodes running then): its whole
+    decode time when it ran alone, half of it while one other ran beside it. The shares of all
+    decodes sum to the busy time, the wall time during which at least one ran. ``begin`` and
+    ``end`` may be called from any thread (one lock; two float operations each).
+
+    Args:
+        clock: monotonic nanoseconds (tests step it by hand).
+    """
+
+    def __init__(self, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running = 0
+        self._at = clock()
+        self._shared = 0.0  # ns: the integral of 1 / running over the busy time so far
+
+    def begin(self) -> float:
+        """A decode begins; returns its mark, for ``end``."""
+        with self._lock:
+            self._advance()
+            self._running += 1
+            return self._shared
+
+    def end(self, mark: float) -> int:
+        """The decode that began at ``mark`` ends; returns its share (ns)."""
+        with self._lock:
+            self._advance()
+            self._running = max(0, self._running - 1)
+            return int(round(self._shared - mark))
+
+    def _advance(self) -> None:
+        now = self._clock()
+        if self._running:
+            self._shared += (now - self._at) / self._running
+        self._at = now
+
+
+class BatchMeter:
+    """The server's measuring of its batches: when each began, and at its end its
+    ``BatchSample`` with its share of the busy time (``busy``, a ``BusyClock``). A key names a
+    batch while it runs (the server's: one per batch in flight); ``begin`` and ``end`` may be
+    called from any lane's thread.
+
+    Args:
+        clock: monotonic nanoseconds (tests step it by hand).
+    """
+
+    def __init__(self, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self._clock = clock
+        self.busy = BusyClock(clock)
+        self._running: dict[Hashable, tuple[int, float]] = {}  # key -> (began ns, busy mark)
+
+    def begin(self, key: Hashable) -> None:
+        self._running[key] = (self._clock(), self.busy.begin())
+
+    def end(self, key: Hashable, *, planned_ns: int, tokens: int, rows: int = 1,
+            padded_tokens: int = 0) -> BatchSample | None:  # fmt: skip
+        """The batch ``key`` ended: its sample (None if it did not begin here)."""
+        begun = self._running.pop(key, None)
+        if begun is None:
+            return None
+        start_ns, mark = begun
+        share = self.busy.end(mark)
+        return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, share)
+
+
 @dataclass
-class _Window:
+class Window:
+    """One arrangement's measurement: ``lanes`` lanes from ``start_ns`` on, and the samples of
+    the batches planned since."""
+
     lanes: int
     start_ns: int
-    batches: int = 0
-    tokens: int = 0
-    decode_ns: int = 0
+    samples: list[BatchSample] = field(default_factory=list)
+
+    @property
+    def batches(self) -> int:
+        return len(self.samples)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
 
     @property
     def score(self) -> float:
-        """Machine seconds per token: decode time / tokens / lanes (inf if nothing measured)."""
-        return self.decode_ns / 1e9 / self.tokens / self.lanes if self.tokens else float("inf")
+        """Busy seconds per token: the batches' shares over their tokens (module docstring; inf
+        if nothing measured)."""
+        tokens = self.tokens
+        return sum(s.share_ns for s in self.samples) / 1e9 / tokens if tokens else float("inf")
 
 
 @dataclass
@@ -98,7 +227,7 @@ class Choice:
 
 
 class LaneTuner:
-    """Picks the active lane count among ``candidates`` from measured machine time per token.
+    """Picks the active lane count among ``candidates`` from measured busy time per token.
 
     Args:
         candidates: the lane counts to try, e.g. ``[1, 2]`` (each splits the cores evenly).
@@ -123,20 +252,17 @@ class LaneTuner:
 
     # -- the server's side ------------------------------------------------------------------
 
-    def observe(self, planned_ns: int, decode_ns: int, tokens: int) -> Choice | None:
-        """Count one decoded batch (when it was planned, monotonic ns; how long its decode took,
-        ns; its tokens); returns a new :class:`Choice` when the running arrangement should
-        change."""
+    def observe(self, sample: BatchSample) -> Choice | None:
+        """Count one decoded batch; returns a new :class:`Choice` when the running arrangement
+        should change."""
         if self._window is None:  # holding
             if self._clock() - self._held_since < self.tuning.hold_seconds * 1e9:
                 return None
             self._begin_exploring(incumbent=self.lanes)
             return self._switch_to_window(reason="re-exploring after the hold")
         w = self._window
-        if planned_ns >= w.start_ns:  # batches of the previous arrangement do not count
-            w.batches += 1
-            w.tokens += int(tokens)
-            w.decode_ns += max(0, int(decode_ns))
+        if sample.planned_ns >= w.start_ns:  # batches of the previous arrangement do not count
+            w.samples.append(sample)
         long_enough = self._clock() - w.start_ns >= self.tuning.min_seconds * 1e9
         if w.batches < self.tuning.min_batches or not long_enough:
             return None
@@ -154,11 +280,11 @@ class LaneTuner:
         self._plan = order + order[::-1]  # mirrored: c0 c1 .. ck ck .. c1 c0
         self._incumbent = incumbent
         self._scores: dict[int, list[float]] = {}
-        self._window: _Window | None = _Window(self._plan[0], self._clock())
+        self._window: Window | None = Window(self._plan[0], self._clock())
 
     def _switch_to_window(self, reason: str) -> Choice | None:
         lanes = self._plan[0]
-        self._window = _Window(lanes, self._clock())
+        self._window = Window(lanes, self._clock())
         if lanes == self.lanes:
             return None
         self.lanes = lanes
@@ -196,5 +322,5 @@ class LaneTuner:
         self.history.append(choice)
         scores = ", ".join(f"{c} lane(s): {s * 1e3:.2f} ms/token" for c, s in sorted(choice.scores.items()))
         log.info("lanes -> %d (%s)%s", choice.lanes, choice.reason,
-                 f"; machine time per token: {scores}" if scores else "")  # fmt: skip
+                 f"; busy time per token: {scores}" if scores else "")  # fmt: skip
         return choice

@@ -14,10 +14,19 @@ runs it through the decoder, converts the audio to each row's output dtype *on t
   buffers alternate so that k's copy never overwrites what k-1's publishing reads. Each lane
   thread makes the model's GPU its current device, and the event is recorded on that GPU's
   current stream, the one the decode and the copy were queued on.
+- **An asynchronous decoder with host output** (``launch()``, adapters.py; the bench's
+  ``modern`` stand-in): pipelined as on CUDA. Its output is complete only once its event is
+  synchronized, so the conversion to each row's dtype waits for that, and writes into one of two
+  alternating sets of host buffers: batch k is launched before batch k-1 is converted and
+  published, and must not convert into the buffers that k-1's answers are read from.
 - **Failures**: a batch that raises is split in halves and each half retried; a row that fails
-  alone gets DECODE_FAILED and everyone else their audio. Retries are synchronous and copy into
-  a third pinned buffer of their own: a pipelined batch whose audio is not yet published keeps
-  its buffer whatever fails around it.
+  alone gets DECODE_FAILED and everyone else their audio. Retries are synchronous and use a
+  third set of buffers of their own (pinned on CUDA): a pipelined batch whose audio is not yet
+  published keeps its buffers whatever fails around it.
+
+Every buffer a launch writes is its batch's until the batch is published: the inputs are the
+batch's own copies (slot_io.gather), the decoder's output is that launch's own (adapters.py),
+and the staging and conversion buffers come in the sets above.
 """
 
 from __future__ import annotations
@@ -50,15 +59,24 @@ class Decoded:
 
 
 class _InFlight:
-    """A launched batch whose host copy may still be under way (CUDA) or is done (CPU)."""
+    """A launched batch whose host copy may still be under way (CUDA), whose host output is
+    still being written (an asynchronous decoder on the host), or which is done (CPU).
 
-    def __init__(self, batch: Batch, decoded: Decoded, t0: int, event: Any = None) -> None:
+    ``finish``: what turns the output into ``Decoded`` once the event has completed (the
+    conversion of a host output, which cannot start before then); None if ``decoded`` is it."""
+
+    def __init__(self, batch: Batch, decoded: Decoded | None, t0: int, event: Any = None,
+                 finish: Callable[[], Decoded] | None = None) -> None:  # fmt: skip
         self.batch, self.decoded, self.event = batch, decoded, event
+        self._finish = finish
         self.t0 = t0  # perf_counter_ns at launch
 
     def wait(self) -> Decoded:
+        """The batch's audio on the host (waited for; called once)."""
         if self.event is not None:
-            self.event.synchronize()  # the host copy has landed
+            self.event.synchronize()  # the host copy has landed, or the host output is written
+        if self._finish is not None:
+            self.decoded, self._finish = self._finish(), None
         return self.decoded
 
 
@@ -89,18 +107,21 @@ class Runner:
         # A decoder that plays an asynchronous device (the bench's stand-in): launched like a
         # CUDA batch, waited for through its event.
         self.asynchronous = bool(getattr(decoder, "asynchronous", False)) and hasattr(self.adapter, "launch")
-        # Two alternating sets for pipelined launches, and one for retries (see launch).
+        # Two alternating sets for pipelined launches, and one for retries (see launch): pinned
+        # buffers for CUDA's device-to-host copies, host buffers for a CPU conversion.
         self._pinned: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
         self._retry_pinned: dict[torch.dtype, torch.Tensor] = {}
+        self._host: list[dict[type, np.ndarray]] = [{}, {}]
+        self._retry_host: dict[type, np.ndarray] = {}
         self._flip = 0
-        self._scratch: dict[type, np.ndarray] = {}  # CPU conversion buffers, reused
 
     def launch(self, batch: Batch, *, retry: bool = False) -> _InFlight:
         """Queue ``batch``'s decode and its copy to the host; on CUDA nothing waits for the device.
 
         ``retry``: a synchronous decode (waited for before the next launch), which copies into
-        the retry buffer and leaves the two pipelined buffers, and whatever batch they hold
-        unpublished, alone.
+        the retry buffers and leaves the two pipelined sets, and whatever batch they hold
+        unpublished, alone. Otherwise the sets alternate: a launch's buffers stay its own until
+        the launch after next, so batch k-1 may be published after batch k is launched.
         """
         t0 = time.perf_counter_ns()
         b, t = batch.semantic.shape
@@ -118,14 +139,26 @@ class Runner:
             rows16, rows32 = _ALL[:b] if b <= len(_ALL) else np.arange(b), _NONE
         else:
             rows16, rows32 = np.flatnonzero(dtypes == 0), np.flatnonzero(dtypes != 0)
+        # This launch's buffers: the retry set, or the next of the two pipelined sets.
+        if retry:
+            pinned, host = self._retry_pinned, self._retry_host
+        else:
+            pinned, host = self._pinned[self._flip], self._host[self._flip]
+            self._flip ^= 1
         if not self.cuda:
-            # numpy on the CPU: a numpy call costs about a third of a torch call here, and the
-            # conversion goes into buffers of our own (no fresh pages per batch, and the
-            # decoder's own output is never changed in place).
-            audio = out.detach().float().numpy()[:, :n]  # (B, N) float32, a view
-            host16 = self._to_int16(audio if n16 == b else audio[rows16]) if n16 else None
-            host32 = None if n16 == b else (audio if n16 == 0 else audio[rows32])
-            return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event)
+
+            def convert() -> Decoded:
+                # numpy on the CPU: a numpy call costs about a third of a torch call here, and the
+                # conversion goes into buffers of this launch's own (no fresh pages per batch, and
+                # the decoder's own output is never changed in place).
+                audio = out.detach().float().numpy()[:, :n]  # (B, N) float32, a view
+                host16 = self._to_int16(audio if n16 == b else audio[rows16], host) if n16 else None
+                host32 = None if n16 == b else (audio if n16 == 0 else audio[rows32])
+                return Decoded(host16, rows16, host32, rows32)
+
+            if event is None:  # a synchronous decoder: its output is complete now
+                return _InFlight(batch, convert(), t0)
+            return _InFlight(batch, None, t0, event, finish=convert)  # complete once the event is
         out = out[:, :n].float()
         dev16 = dev32 = None
         if n16:
@@ -134,36 +167,33 @@ class Runner:
             dev16 = torch.clamp(part, -1.0, 1.0).mul_(32767.0).to(torch.int16)
         if n16 < b:
             dev32 = out if n16 == 0 else out[torch.from_numpy(rows32).to(out.device)]
-        if retry:
-            buffers = self._retry_pinned
-        else:
-            buffers = self._pinned[self._flip]
-            self._flip ^= 1
-        host16 = None if dev16 is None else self._to_pinned(buffers, dev16)
-        host32 = None if dev32 is None else self._to_pinned(buffers, dev32)
+        host16 = None if dev16 is None else self._to_pinned(pinned, dev16)
+        host32 = None if dev32 is None else self._to_pinned(pinned, dev32)
         # On the stream the copies were queued on: the model's GPU's current stream (a bare
         # record() would use the current device's, which guards nothing on another GPU).
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event)
 
-    def _to_int16(self, audio: np.ndarray) -> np.ndarray:
-        """The seed's conversion of ``audio`` (B, N) float32: clip, scale by 32767 in float32,
-        truncate toward zero. Two passes: the scaling writes int16 directly, with the same
-        unsafe (truncating) cast that ``astype`` uses."""
-        clipped = self._buffer(np.float32, audio.shape)
+    def _to_int16(self, audio: np.ndarray, buffers: dict[type, np.ndarray]) -> np.ndarray:
+        """The seed's conversion of ``audio`` (B, N) float32 into ``buffers`` (one launch's
+        set): clip, scale by 32767 in float32, truncate toward zero. Two passes: the scaling
+        writes int16 directly, with the same unsafe (truncating) cast that ``astype`` uses."""
+        clipped = self._buffer(buffers, np.float32, audio.shape)
         _clip(audio, np.float32(-1.0), np.float32(1.0), out=clipped)
-        pcm = self._buffer(np.int16, audio.shape)
+        pcm = self._buffer(buffers, np.int16, audio.shape)
         np.multiply(clipped, np.float32(32767), out=pcm, casting="unsafe")
         return pcm
 
-    def _buffer(self, dtype: type, shape: tuple[int, int]) -> np.ndarray:
-        """A reused CPU array of ``shape`` (a lane publishes a batch before its next one)."""
+    @staticmethod
+    def _buffer(buffers: dict[type, np.ndarray], dtype: type, shape: tuple[int, int]) -> np.ndarray:
+        """A reused CPU array of ``shape`` from ``buffers``, one launch's set (launch says when
+        a set is free again)."""
         numel = shape[0] * shape[1]
-        buf = self._scratch.get(dtype)
+        buf = buffers.get(dtype)
         if buf is None or buf.size < numel:
             buf = np.empty(max(numel, 1 << 16), dtype)
-            self._scratch[dtype] = buf
+            buffers[dtype] = buf
         return buf[:numel].reshape(shape)
 
     def _to_pinned(self, buffers: dict[torch.dtype, torch.Tensor], x: torch.Tensor) -> np.ndarray:

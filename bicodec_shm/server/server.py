@@ -75,7 +75,7 @@ from .batching import (
     default_max_batch_tokens,
     plan_batch,
 )
-from .lane_tuner import LaneTuner, LaneTuning
+from .lane_tuner import BatchMeter, LaneTuner, LaneTuning
 from .lanes import STOP, Decoded, Lane, Runner, lane_threads
 from .signals import on_stop_signals
 
@@ -202,6 +202,7 @@ class DecoderServer:
         self.max_lanes = candidates[-1] if self._tuner else self.lanes  # lane threads started
         self._turns = threading.Condition()  # parked lanes wait here for their turn
         self._tuner_lock = threading.Lock()
+        self._meter = BatchMeter()  # each batch's share of the time some lane was decoding
         self._pipeline = cuda or bool(getattr(decoder, "asynchronous", False))
         self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
         self.semantic_vocab = self.codec.level_vocab[0]
@@ -549,13 +550,6 @@ class DecoderServer:
             return
         try:
             self._count_batch(batch, done_ns, elapsed_ns)
-            # Only a batch decoded with the thread count of the arrangement being measured: right
-            # after a switch, a lane being parked may still finish one with its old count.
-            if self._tuner is not None and lane_threads() == max(1, self._cores // self._tuner.lanes):
-                with self._tuner_lock:
-                    choice = self._tuner.observe(batch.started_ns, elapsed_ns, int(req.lengths.sum()))
-                if choice is not None:
-                    self._apply_lanes(choice.lanes)
         except Exception:
             log.exception("counting a batch of %d failed (its answers are unaffected)", len(req))
         finally:
@@ -643,13 +637,33 @@ class DecoderServer:
             seg = self.segment
             seg.counters[C_HOST_GAP] += max(0, now - waited_since)
             seg.header["busy_lanes"] += 1
+        if self._tuner is not None:
+            self._meter.begin(id(batch))
 
     def _lane_finished(self, batch: Batch, lane: int) -> None:
+        if self._tuner is not None:
+            self._measure(batch)
         self._lane_idle_since[lane] = time.monotonic_ns()
         with self._held_lock:  # normally done already, when each row was answered
             self._held.difference_update(batch.slots.tolist())
         with self._counters_lock:
             self.segment.header["busy_lanes"] -= 1
+
+    def _measure(self, batch: Batch) -> None:
+        """Give the tuner a finished batch (in its lane's thread) and apply its choice."""
+        req = batch.requests
+        try:
+            sample = self._meter.end(id(batch), planned_ns=batch.started_ns, tokens=int(req.lengths.sum()),
+                                     rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]))
+            # Only a batch decoded with the thread count of the arrangement being measured: right
+            # after a switch, a lane being parked may still finish one with its old count.
+            if sample is not None and lane_threads() == max(1, self._cores // self._tuner.lanes):
+                with self._tuner_lock:
+                    choice = self._tuner.observe(sample)
+                if choice is not None:
+                    self._apply_lanes(choice.lanes)
+        except Exception:
+            log.exception("measuring a batch of %d failed (its answers are unaffected)", len(req))
 
     # -- reaping ----------------------------------------------------------------------------
 

@@ -10,8 +10,12 @@
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #          --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #          --platform manylinux1_x86_64 -d .whl posix_ipc==1.3.2
-#      (posix_ipc is the only package the image lacks that a check needs; starlette/uvicorn are
-#      only for examples/, whose tests are not gpu-marked.)
+#        python3 -m pip download --no-deps -d .whl descript-audio-codec==1.0.0 \
+#          descript-audiotools==0.7.2 einops
+#      (posix_ipc is the only package the image lacks that the server needs; the three pure-Python
+#      wheels are the reference the DAC gpu tests compare with, installed without their
+#      dependencies as in CI; starlette/uvicorn are only for examples/, whose tests are not
+#      gpu-marked.)
 #   2. The device tool's `run`, from the checkout whose tree travels:
 #        command:   bash benchmarks/device_check.sh
 #        carry:     [".whl"]

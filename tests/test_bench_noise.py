@@ -58,6 +58,23 @@ def test_a_row_whose_windows_held_few_requests_is_flagged_few():
     assert "1.00 ?" in text and "?  noise, not a result" in text
 
 
+def test_a_window_in_which_no_request_completed_counts_as_zero_not_as_skipped():
+    """A full-size request can outlast a short window: that run measured 0 audio s/s. It stays
+    in the row's median and min, flagged few, rather than vanish as a skipped system does."""
+    results = [_result(SHM, 2, 0.0, requests=0, repeat=0, latency_p50_ms=None, latency_p99_ms=None),
+               _result(SHM, 2, 1.0, requests=30, repeat=1),
+               _result(PER_PROCESS, 2, 0.5, requests=30, repeat=0),
+               _result(PER_PROCESS, 2, 0.5, requests=30, repeat=1),
+               run_results._skipped(config.QUEUE, 2, "skipped: not asked for")]  # fmt: skip
+    row = _row(results, 2, SHM)
+    assert row["runs"] == 2 and row["audio_s_per_s"]["min"] == 0.0 and row["requests"]["min"] == 0
+    assert row["noise"]["flags"] == ["few"] and row["noise"]["min_requests"] == 0
+    assert reporting.compare(results)[2][SHM]["vs_per_process"]["min"] == 0.0
+    assert _row(results, 2, config.QUEUE)["runs"] == 0  # skipped: no numbers
+    text = reporting.format_table(results, reporting.compare(results))
+    assert "0.500 (0.000-1.000)" in text
+
+
 def test_a_row_whose_repeats_spread_over_the_limit_is_flagged_spread():
     wide = [_result(SHM, 4, v, repeat=i) for i, v in enumerate((1.0, 1.2, 1.6))]
     narrow = [_result(PER_PROCESS, 4, v, repeat=i) for i, v in enumerate((1.0, 1.2, 1.45))]

@@ -496,7 +496,7 @@ class Plan:
                          "batching system holds more)")  # fmt: skip
             if expected < MIN_REQUESTS:
                 need = math.ceil(MIN_REQUESTS * cal.request_s)
-                lines.append(f"warning: a {setup.window:g} s window holds about {expected:.0f} requests, "
+                lines.append(f"warning: a {setup.window:g} s window holds about {_requests(expected)}, "
                              f"fewer than {MIN_REQUESTS}: its numbers will be noise (flagged 'few'); "
                              f"--window {need} or more holds {MIN_REQUESTS}")  # fmt: skip
         long = total if total is not None else (runs * setup.window if setup.window is not None else 0)
@@ -511,6 +511,11 @@ class Plan:
 
 # A full-size run on a CPU at least this long (seconds) is warned about before it starts.
 LONG_RUN_S = 120.0
+
+
+def _requests(count: float) -> str:
+    k = round(count)
+    return f"{k} request" if k == 1 else f"{k} requests"
 
 
 def _span(seconds: float) -> str:
@@ -537,17 +542,17 @@ class _RunReporter:
     def __call__(self, done: list) -> None:
         from tqdm import tqdm
 
-        new = [r for r in done[self.done:] if r.requests and r.system not in COMPUTED]
+        new = [r for r in done[self.done:] if r.wall_seconds > 0 and r.system not in COMPUTED]  # ran
         self.done = len(done)
         for r in new:
             span = f"its {r.window_s:g} s window" if r.window_s else "its run"
             if self.first:
                 self.first = False
-                tqdm.write(f"first run: N={r.n_clients} {r.system}: {r.requests} requests in {span}"
+                tqdm.write(f"first run: N={r.n_clients} {r.system}: {_requests(r.requests)} in {span}"
                            f"{self._expected(r)}{self._pace(done)}", file=sys.stdout)  # fmt: skip
             if r.requests < MIN_REQUESTS and r.system not in self.few:
                 self.few.add(r.system)
-                tqdm.write(f"warning: N={r.n_clients} {r.system}: {r.requests} requests in {span}, "
+                tqdm.write(f"warning: N={r.n_clients} {r.system}: {_requests(r.requests)} in {span}, "
                            f"fewer than {MIN_REQUESTS}: flagged 'few' (noise); a longer --window "
                            "holds more", file=sys.stdout)  # fmt: skip
 

@@ -4,8 +4,8 @@ answered by a BiCodec server (a thread of this process, real shared memory).
 Spark-TTS is not a package, so the call is made here as ``SparkTTS.inference`` makes it
 (cli/SparkTTS.py): global ids built as it builds them, (1, 1, 32) then ``.squeeze(0)``, semantic
 ids ``(1, T)``, both ``torch.long`` on the model's device (the CPU here). Ground truth: what
-``BiCodecTokenizer.detokenize`` returns, ``wav_rec.detach().squeeze().cpu().numpy()`` of the
-in-process decoder's output for the same ids.
+``BiCodecTokenizer.detokenize`` returns for the same ids, the in-process decoder's (B, 1, 320·T)
+output with its dimensions of size 1 squeezed out, as a float32 numpy array.
 """
 
 from __future__ import annotations
@@ -30,24 +30,18 @@ def spark_detokenize_reference(global_tokens: torch.Tensor, semantic_tokens: tor
 
 
 def inference_tail(model, predicts: str, global_token_ids: torch.Tensor | None = None):
-    """The end of ``SparkTTS.inference``: ids parsed from the language model's text, then the
-    tokenizer's detokenize, as Spark-TTS writes it (``model`` has ``audio_tokenizer``, ``device``)."""
-    pred_semantic_ids = (
-        torch.tensor([int(token) for token in re.findall(r"bicodec_semantic_(\d+)", predicts)])
-        .long()
-        .unsqueeze(0)
-    )
-    if global_token_ids is None:  # voice creation (gender/pitch/speed): the model wrote them too
-        global_token_ids = (
-            torch.tensor([int(token) for token in re.findall(r"bicodec_global_(\d+)", predicts)])
-            .long()
-            .unsqueeze(0)
-            .unsqueeze(0)
-        )
-    return model.audio_tokenizer.detokenize(
-        global_token_ids.to(model.device).squeeze(0),
-        pred_semantic_ids.to(model.device),
-    )
+    """What ``SparkTTS.inference`` does once its language model has written ``predicts``: the ids
+    are parsed out into int64 tensors on ``model.device``, the global ids as (1, 1, 32) (from the
+    text in voice creation, from ``tokenize`` in voice cloning) given to ``detokenize`` as
+    (1, 32), the semantic ids as (1, T)."""
+
+    def ids(kind: str) -> torch.Tensor:
+        return torch.tensor([int(i) for i in re.findall(rf"bicodec_{kind}_(\d+)", predicts)]).long()
+
+    if global_token_ids is None:  # voice creation: the language model wrote them too
+        global_token_ids = ids("global")[None, None]
+    semantic = ids("semantic")[None].to(model.device)
+    return model.audio_tokenizer.detokenize(global_token_ids.to(model.device).squeeze(0), semantic)
 
 
 class SparkTTSStandIn:

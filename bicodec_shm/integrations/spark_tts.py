@@ -1,11 +1,8 @@
 """Spark-TTS's audio tokenizer for decoding, backed by a shared BiCodec server.
 
-``SparkTTS.inference`` (Spark-TTS's ``cli/SparkTTS.py``) ends with::
-
-    wav = self.audio_tokenizer.detokenize(global_token_ids.to(self.device).squeeze(0),
-                                          pred_semantic_ids.to(self.device))
-
-with int64 tensors of shapes (1, 32) and (1, T), and uses ``wav``: a float32 numpy array of
+``SparkTTS.inference`` (Spark-TTS's ``cli/SparkTTS.py``) ends by calling
+``self.audio_tokenizer.detokenize(global_tokens, semantic_tokens)`` with int64 tensors on the
+model's device, of shapes (1, 32) and (1, T), and returns what it gets: a float32 numpy array of
 shape (320·T,) at 16 kHz, the BiCodec decoder's output as it is (not scaled, not clipped). A
 :class:`SharedAudioTokenizer` answers that call through the server, so Spark-TTS's own code runs
 unchanged after one assignment::

@@ -212,7 +212,9 @@ def add_arguments(parser: Any, *, rate: float, default_preset: str) -> None:
     parser.add_argument("--preset", default=default_preset, choices=["tiny", "full"],
                         help="codec size (random weights: the audio is noise)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="torch device of every decoder (e.g. cuda:0)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of every decoder")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each own decoder")
+    parser.add_argument("--server-threads", type=int, help="torch CPU threads of the shared server "
+                        "(default: --threads)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the table here as JSON")
     parser.add_argument("--server-log", help="the shared server's log (default: discarded)")

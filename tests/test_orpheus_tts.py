@@ -29,6 +29,7 @@ from test_snac_model import injected_randn, snac, upstream_twin
 
 from bicodec_shm import DecoderClient
 from bicodec_shm.codecs import codes_to_orpheus
+from bicodec_shm.errors import DecodeTimeoutError
 from bicodec_shm.integrations import orpheus_tts as dropin
 from bicodec_shm.model.snac import SNACDecoder
 from bicodec_shm.model.snac.noise import batch_noise
@@ -299,6 +300,63 @@ def test_a_bicodec_server_is_refused_naming_the_codec(thread_server):
             list(dropin.tokens_decoder_sync([], client=client))
 
 
+class FailsOnce:
+    """A client whose ``n``-th decode raises DecodeTimeoutError (before sending it); it counts."""
+
+    def __init__(self, client: DecoderClient, n: int | None) -> None:
+        self.client, self.codec, self.name, self.calls, self.n = client, client.codec, client.name, 0, n
+
+    def _maybe_fail(self) -> None:
+        self.calls += 1
+        if self.calls == self.n:
+            raise DecodeTimeoutError("the decode took too long (planted)")
+
+    def decode_codes(self, *args, **kwargs):
+        self._maybe_fail()
+        return self.client.decode_codes(*args, **kwargs)
+
+    async def decode_codes_async(self, *args, **kwargs):
+        self._maybe_fail()
+        return await self.client.decode_codes_async(*args, **kwargs)
+
+
+@pytest.mark.parametrize("preset", dropin.PRESETS)
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_failed_decode_raises_and_the_next_call_decodes_it_again(server, preset, asynchronous):
+    """The 2nd decode fails: the very next item decodes it again. The last one fails (in the last
+    push, or in finish): finish does. Either way the audio is all there."""
+    items = per_token_items(codes_to_orpheus(random_levels(8, seed=9), base=10))
+
+    def run(client) -> tuple[list[bytes], int | None]:
+        stream = dropin.OrpheusStream(client, preset=preset)
+        push = (lambda i: asyncio.run(stream.push_async(i))) if asynchronous else stream.push
+        finish = (lambda: asyncio.run(stream.finish_async())) if asynchronous else stream.finish
+        out, failed_at = [], None
+        for k, item in enumerate(items):
+            try:
+                out.append(push(item))
+            except DecodeTimeoutError:
+                out.append(b"")
+                failed_at = k
+        try:
+            out.append(finish())
+        except DecodeTimeoutError:  # the failed decode was finish's own: finish again
+            failed_at = len(items)
+            out.append(finish())
+        return out, failed_at
+
+    with DecoderClient(server.name) as client:
+        counting = FailsOnce(client, None)
+        want, _ = run(counting)
+        for n in (2, counting.calls):
+            got, failed_at = run(FailsOnce(client, n))
+            assert failed_at is not None
+            if failed_at + 1 < len(items):
+                assert got[failed_at + 1], "the next item did not decode the failed window again"
+            got, want16 = pcm(got).astype(np.int32), pcm(want)
+            assert len(got) == len(want16) and np.abs(got - want16).max() <= 1  # 1: batched together
+
+
 # -- many streams, one server --------------------------------------------------------------------
 
 
@@ -370,7 +428,22 @@ def test_install_makes_orpheus_model_decode_through_the_server_without_loading_s
     assert len(chunks) == 6 - 3
 
 
-def test_the_dropins_import_no_torch():
+def test_the_dropins_import_only_the_public_client_api_and_no_torch():
+    """The rule of bicodec_shm/integrations/__init__.py: the package's public client surface only
+    (internal modules move), and no torch, even lazily."""
+    import ast
+    import pathlib
+
+    allowed = {"bicodec_shm", "bicodec_shm.codecs", "bicodec_shm.errors"}
+    folder = pathlib.Path(dropin.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.startswith("bicodec_shm"):
+                assert node.module in allowed, (path.name, node.module)
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, (path.name, "relative import")
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            assert not any(n.split(".")[0] == "torch" for n in names), path.name
     code = ("import sys; import bicodec_shm.integrations.orpheus_tts, bicodec_shm.integrations.spark_tts; "
             "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

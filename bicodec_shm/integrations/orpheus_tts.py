@@ -25,23 +25,26 @@ frame then shifts by one token) and a token outside its position's 4096 ids rais
 ``ValueError`` naming it (Orpheus skips the 4 windows around a code over 4096, and its SNAC
 fails on code 4096). A last frame with fewer than 7 tokens is not played (as Orpheus).
 
-Presets (SNR against the whole utterance decoded at once; full-size 24 kHz SNAC, random
-weights, 4 utterances of 47 frames each, benchmarks of this module's tests; each window draws
-the whole decode's noise at its frames):
+Presets, measured by ``benchmarks/bench_orpheus_dropin.py`` on 2026-12-01 (full-size 24 kHz
+SNAC, random weights, 4 utterances of 47 frames; SNR of the int16 output against the whole
+utterance decoded at once with the same noise seed, over the samples each preset plays):
 
-=========  =================  =====================================  =========================
-preset     first audio after  what plays                             SNR of what plays
-=========  =================  =====================================  =========================
-default    4 frames (28 tok)  every frame, the first 2 at once       see the table in the docs
-exact      7 frames (49 tok)  every frame; equals the whole decode   float rounding
-orpheus    4 frames (28 tok)  Orpheus's bytes: frames 1 .. n-3 only  Orpheus's own
-=========  =================  =====================================  =========================
+=========  =================  ==============================================  =======
+preset     first audio after  what plays                                      SNR
+=========  =================  ==============================================  =======
+default    4 frames, 28 tok   every frame (the first chunk: frames 0 and 1)   53.9 dB
+exact      7 frames, 49 tok   every frame: the whole decode                   99.0 dB
+orpheus    4 frames, 28 tok   frames 1 .. n-3: Orpheus's chunks               15.4 dB
+=========  =================  ==============================================  =======
 
 ``orpheus`` decodes Orpheus's windows (frames ``[m-3, m+1)`` once frame ``m`` is complete) and
-keeps Orpheus's slice of them (samples 2048..4096), so its chunks are Orpheus's, within 1 LSB
-(the server's SNAC and Orpheus's differ by float rounding): it never plays frame 0 nor the last
-2 frames, and nothing for an utterance under 4 frames. ``default`` and ``exact`` are
-``DecodeStream``'s ``snac-24khz`` presets.
+keeps Orpheus's slice of each (samples 2048..4096), so its chunks are Orpheus's within 1 LSB
+(the server's SNAC and Orpheus's differ by float rounding, ~2e-6): it never plays frame 0 nor
+the last 2 frames (256 ms an utterance), and nothing under 4 frames. 99 dB is int16 rounding
+(the two are equal up to float rounding); 15 dB is the cost of one frame of left context.
+``default`` and ``exact`` are ``DecodeStream``'s ``snac-24khz`` presets. Orpheus itself draws
+fresh noise for every window, so its own output is not reproducible from run to run; here each
+window draws the whole decode's noise at its frames (``noise_seed``).
 """
 
 from __future__ import annotations
@@ -113,7 +116,9 @@ class OrpheusStream:
 
     ``push`` and ``finish`` return the int16 PCM (little-endian bytes) that became final, maybe
     ``b""``; ``push_async`` and ``finish_async`` are their asyncio twins. One stream serves one
-    caller at a time.
+    caller at a time. A decode that fails (``DecodeTimeoutError``, ``ServerUnavailableError``)
+    raises with the item taken, and the next ``push`` or ``finish`` decodes it again: no audio is
+    lost.
 
     Raises:
         ValueError: a decoder of another codec, an unknown preset; later, an item that is not a
@@ -135,36 +140,59 @@ class OrpheusStream:
                                         timeout=timeout)  # fmt: skip
         self._tokens: list[int] = []  # the current frame's <custom_token_N> numbers, < 7
         self._window: deque[tuple[np.ndarray, ...]] = deque(maxlen=ORPHEUS_WINDOW)  # frames' levels
+        self._pending: list[tuple[list[np.ndarray], int]] = []  # Orpheus's windows to decode, start
+        self._retry = False  # a decode failed: the next push or finish decodes again
         self.audio_tokens = 0  # audio tokens taken so far (their count sets each one's position)
         self.frames = 0  # whole frames so far
 
     def push(self, item: str) -> bytes:
         """Take one streamed item; returns the PCM it made final (often ``b""``)."""
         frame = self._take(item)
-        if frame is None:
+        if frame is None and not self._retry:
             return b""
+        self._retry = True  # until the decodes below succeed: the next call decodes them again
         if self._stream is not None:
-            return self._stream.push(frame)
-        window = self._orpheus_window()
-        return b"" if window is None else _orpheus_slice(self._decode(*window))
+            out = self._stream.push(frame if frame is not None else [])
+        else:
+            out = b"".join(_orpheus_slice(self._decode(*w)) for w in self._pending)
+            self._pending.clear()
+        self._retry = False
+        return out
 
     async def push_async(self, item: str) -> bytes:
-        """``push`` for asyncio."""
+        """``push`` for asyncio; windows left by a failed call are decoded concurrently."""
         frame = self._take(item)
-        if frame is None:
+        if frame is None and not self._retry:
             return b""
+        self._retry = True
         if self._stream is not None:
-            return await self._stream.push_async(frame)
-        window = self._orpheus_window()
-        return b"" if window is None else _orpheus_slice(await self._decode_async(*window))
+            out = await self._stream.push_async(frame if frame is not None else [])
+        else:
+            pcm = await asyncio.gather(*(self._decode_async(*w) for w in self._pending))
+            out = b"".join(_orpheus_slice(p) for p in pcm)
+            self._pending.clear()
+        self._retry = False
+        return out
 
     def finish(self) -> bytes:
-        """End the utterance; returns the rest of its PCM (``orpheus``: none, as Orpheus)."""
-        return self._stream.finish() if self._stream is not None else b""
+        """End the utterance; returns the rest of its PCM (``orpheus``: none past Orpheus's last
+        window, as Orpheus)."""
+        if self._stream is not None:
+            return self._stream.finish()
+        return self.push("") if self._retry else b""
 
     async def finish_async(self) -> bytes:
         """``finish`` for asyncio."""
-        return await self._stream.finish_async() if self._stream is not None else b""
+        if self._stream is not None:
+            return await self._stream.finish_async()
+        return await self.push_async("") if self._retry else b""
+
+    @property
+    def frames_decoded(self) -> int:
+        """Frames sent to the decoder so far, context included (the cost of streaming)."""
+        if self._stream is not None:
+            return self._stream.tokens_decoded
+        return ORPHEUS_WINDOW * max(0, self.frames - ORPHEUS_WINDOW + 1)
 
     def __repr__(self) -> str:
         return f"<OrpheusStream preset={self.preset} audio_tokens={self.audio_tokens} frames={self.frames}>"
@@ -193,14 +221,12 @@ class OrpheusStream:
         self.frames += 1
         if self.preset == "orpheus":
             self._window.append(tuple(levels))
+            if self.frames >= ORPHEUS_WINDOW:
+                window = [np.concatenate(level) for level in zip(*self._window)]
+                self._pending.append((window, self.frames - ORPHEUS_WINDOW))
         return levels
 
     # -- Orpheus's windows ----------------------------------------------------------------------
-
-    def _orpheus_window(self) -> tuple[list[np.ndarray], int] | None:
-        """After a frame: Orpheus's window (its levels and start frame), once 4 frames are in."""
-        return None if self.frames < ORPHEUS_WINDOW else (
-            [np.concatenate(level) for level in zip(*self._window)], self.frames - ORPHEUS_WINDOW)
 
     def _decode(self, levels: list[np.ndarray], start: int) -> np.ndarray:
         if self._in_process:

@@ -428,6 +428,22 @@ def test_install_makes_orpheus_model_decode_through_the_server_without_loading_s
     assert len(chunks) == 6 - 3
 
 
+def test_install_after_orpheus_was_imported_rebinds_its_functions(orpheus, server, monkeypatch):
+    upstream, _ = orpheus
+    monkeypatch.setitem(sys.modules, "orpheus_tts.decoder", upstream)
+    monkeypatch.setattr(upstream, "tokens_decoder_sync", upstream.tokens_decoder_sync)  # restored after
+    monkeypatch.setattr(upstream, "tokens_decoder", upstream.tokens_decoder)
+    items = per_token_items(codes_to_orpheus(random_levels(5, seed=12), base=10))
+    try:
+        dropin.install(name=server.name)
+    finally:
+        dropin.uninstall()
+    assert upstream.tokens_decoder_sync.__module__ == dropin.__name__
+    chunks = list(upstream.tokens_decoder_sync(iter(items)))
+    assert pcm(chunks).size == 5 * 2048  # the default preset: every frame
+    assert asyncio.run(collect(upstream.tokens_decoder(agen(items)))) == chunks
+
+
 def test_the_dropins_import_only_the_public_client_api_and_no_torch():
     """The rule of bicodec_shm/integrations/__init__.py: the package's public client surface only
     (internal modules move), and no torch, even lazily."""

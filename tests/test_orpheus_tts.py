@@ -283,6 +283,9 @@ def test_bad_settings_and_items_raise_clear_errors(server):
         with pytest.raises(ValueError, match=r"unknown preset 'peers'; expected one of \['default', "
                            r"'exact', 'orpheus'\]"):  # fmt: skip
             dropin.OrpheusStream(client, preset="peers")
+        for preset in dropin.PRESETS:
+            with pytest.raises(ValueError, match="noise_seed"):
+                dropin.OrpheusStream(client, preset=preset, noise_seed=-1)
         stream = dropin.OrpheusStream(client)
         with pytest.raises(ValueError, match="must be a str holding <custom_token_N>, got bytes"):
             stream.push(b"<custom_token_10>")

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from bicodec_shm import DecoderClient, DecodeStream
-from bicodec_shm.codecs import DEFAULT_NOISE_SEED, SNAC_24KHZ, orpheus_to_codes
+from bicodec_shm.codecs import DEFAULT_NOISE_SEED, SNAC_24KHZ, check_noise_seed, orpheus_to_codes
 
 SAMPLE_RATE = SNAC_24KHZ.sample_rate  # 24000
 SAMPLES_PER_FRAME = SNAC_24KHZ.samples_per_frame  # 2048
@@ -132,7 +132,7 @@ class OrpheusStream:
         self._in_process = _check_decoder(decoder)
         self.preset = preset
         self._decoder = decoder
-        self._noise_seed = noise_seed
+        self._noise_seed = check_noise_seed(noise_seed)
         self._timeout = timeout
         self._stream: DecodeStream | None = None
         if preset != "orpheus":

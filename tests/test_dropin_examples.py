@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from bicodec_shm.transport import leftover_objects
+from bicodec_shm.protocol.names import leftover_objects
 
 
 def run_example(module: str, tmp_path, *options: str) -> dict:

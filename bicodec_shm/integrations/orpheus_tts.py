@@ -61,7 +61,8 @@ from typing import Any
 
 import numpy as np
 
-from bicodec_shm import DecoderClient, DecodeStream
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.client.streaming import DecodeStream
 from bicodec_shm.codecs import DEFAULT_NOISE_SEED, SNAC_24KHZ, check_noise_seed, orpheus_to_codes
 
 SAMPLE_RATE = SNAC_24KHZ.sample_rate  # 24000

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bicodec_shm import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 
 N_GLOBAL = 32
 

@@ -177,6 +177,23 @@ MUTANTS: tuple[Mutant, ...] = (
       'up = [m for m in members if "requests" in m and m.get("server_alive")]',
       'up = [m for m in members if "requests" in m]',
       "tests/test_review_findings.py", "-k", "test_15_"),
+    # -- waiting for a slot, waiting without a bell ----------------------------------------------
+    m("claim-waits-for-the-reap-tick", "the server ignores a claimer that asks for a slot: idle "
+      "handles' warm slots come back only at the reaper's next tick",
+      "bicodec_shm/server.py",
+      "        elif asked:\n            self.reap(asked=True)\n",
+      "",
+      "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick"),
+    m("claimer-never-asks-for-a-slot", "a claimer that finds no FREE slot sleeps on `free` without telling "
+      "the server", "bicodec_shm/attachment.py",
+      "            _ask_for_a_slot(seg)\n            seg.wait(seg.free, timeout)",
+      "            seg.wait(seg.free, timeout)",
+      "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick and sync"),
+    m("no-bell-polls-at-the-slice", "_claim_bell returns NO_BELL but leaves self.bell None: the waiter "
+      "sleeps whole 100 ms slices", "bicodec_shm/attachment.py",
+      "                self.bell = NO_BELL\n                return NO_BELL",
+      "                return NO_BELL",
+      "tests/test_waiting_latency.py", "-k", "no_bell"),
     m("lane-tuner-keeps-the-slower", "the lane tuner settles on the arrangement measured slower",
       "bicodec_shm/lane_tuner.py",
       "best = min(means, key=means.__getitem__)\n        incumbent = self._incumbent",

@@ -12,8 +12,9 @@ memory-ordering rule.
   back to the segment but one *warm* slot, which stays CLAIMED with its lock dropped: the next
   request re-takes its lock if nobody touched it (same claim epoch), which is cheaper than a
   claim and lets the server's rejoin window wait for us; and the server's reaper frees it at its
-  next tick otherwise. So an idle handle holds no slot for longer than a reap interval, and
-  idle workers never keep a new one out.
+  next tick otherwise, or at once when a claimer finds no FREE slot and says so (the header's
+  ``slot_wanted``, then a ``ready`` post). So an idle handle holds no slot for longer than a
+  reap interval, and idle workers never keep a new one out, nor make it wait for the tick.
 - **A request is ``(slot, seq)``**: ``take_slot`` hands out both, and every later step (give
   back, let go, the answer's identity check) names both, so a step repeated by an interrupted
   caller can never touch the next request on the same slot.
@@ -192,6 +193,8 @@ class Attachment:
             if taken is not None:
                 return taken
             if claimed:  # no FREE slot in the segment: look again shortly (only under exhaustion)
+                with self.use() as seg:
+                    _ask_for_a_slot(seg)
                 await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
             else:
                 future = loop.create_future()
@@ -303,6 +306,7 @@ class Attachment:
         # With requests of our own in flight, one of our slots may come back sooner.
         timeout = min(SLICE / 5 if self.using else SLICE, left)
         with self.use() as seg:
+            _ask_for_a_slot(seg)
             seg.wait(seg.free, timeout)  # a timeout, or a signal: the caller looks again
 
     def give(self, slot: int, seq: int) -> None:
@@ -492,7 +496,11 @@ class Attachment:
                         drain(seg.bell(index))
                         self.bell = index
                         return index
-        return NO_BELL  # every bell is taken: the waiter polls instead (rare; see _wait_loop)
+                # Every bell is taken: the waiter polls instead (rare). Recorded, so that it
+                # polls at its short interval while requests are pending (see _sleep_on_bell);
+                # it forgets NO_BELL when it goes idle, and the next request tries again.
+                self.bell = NO_BELL
+                return NO_BELL
 
     def register(self, slot: int, seq: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> int:
         """Expect the answer to asyncio request ``seq`` in ``slot``; returns the bell the
@@ -657,6 +665,17 @@ class Attachment:
         seg, self.segment = self.segment, None
         if seg is not None:
             seg.close()
+
+
+def _ask_for_a_slot(seg: Segment) -> None:
+    """Tell the server that a claimer found no FREE slot, so that it reaps at once (idle
+    handles' warm slots come back only through the reaper) instead of at its next tick.
+
+    A fresh random value each time, not a count: whatever way several claimers' stores
+    interleave, the last one differs from what the server last acted on. Then ``ready`` wakes
+    the server (a wake-up only; the server reads the value after draining it)."""
+    seg.header["slot_wanted"] = secrets.randbits(63) | 1
+    seg.ready.release()
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, ok: bool) -> None:

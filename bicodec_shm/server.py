@@ -227,6 +227,7 @@ class DecoderServer:
         self._answered: set[int] = set()  # slots answered since the last batch was planned
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
+        self._reap_asked = 0  # the header's ``slot_wanted`` when the reaper last ran (a hint)
         self._lane_idle_since = [time.monotonic_ns()] * self.max_lanes
         self._segment = Segment.create(
             name,
@@ -421,6 +422,10 @@ class DecoderServer:
             if not waiting:
                 if not block:
                     return None
+                if self._slot_wanted(seg) != self._reap_asked:
+                    # A claimer asked after the reap above, and its ``ready`` post went in
+                    # the scan's drain: reap now, or it waits for the tick.
+                    continue
                 self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
                 continue
             if self.rejoin_ms > 0 and waiting < self.max_batch:
@@ -655,12 +660,29 @@ class DecoderServer:
     # -- reaping ----------------------------------------------------------------------------
 
     def _reap_if_due(self) -> None:
+        """Reap at each tick, and at once when a claimer asked for a slot: one that found no
+        FREE slot stores a fresh value in the header's ``slot_wanted`` and posts ``ready``
+        (attachment.py), because idle handles' warm slots come back only through a reap and
+        a new handle must not wait a whole tick for one."""
+        seg = self.segment
+        wanted = self._slot_wanted(seg)
+        asked, self._reap_asked = wanted != self._reap_asked, wanted
         if time.monotonic() >= self._next_reap:
             self.reap()
             self._next_reap = time.monotonic() + self.reap_interval
+        elif asked:
+            self.reap(asked=True)
 
-    def reap(self) -> int:
+    @staticmethod
+    def _slot_wanted(seg: Segment) -> int:
+        # Client-written and read without pairing: only compared, to decide whether to reap.
+        return int(seg.header["slot_wanted"])
+
+    def reap(self, *, asked: bool = False) -> int:
         """Reclaim slots whose owner died; returns how many were reclaimed.
+
+        ``asked``: a claimer asked for a slot. What such a reap frees is mostly idle handles'
+        warm slots, routine under many handles: counted, logged at DEBUG only.
 
         A live owner holds its slot's lock for as long as it owns the slot. If the server can
         take that lock, the owner is gone (the kernel dropped the lock when it died). Slots held
@@ -700,8 +722,8 @@ class DecoderServer:
                 seg.counters[C_RECLAIMED] += reclaimed
             # Not only the dead: an idle client leaves one warm slot unlocked (attachment.py),
             # and a request that timed out lets go of its slot; both come back here.
-            log.info("reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)",
-                     reclaimed)
+            log.log(logging.DEBUG if asked else logging.INFO,
+                    "reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)", reclaimed)
         return reclaimed
 
     def _on_stop_signal(self, signum: int) -> None:

@@ -325,7 +325,9 @@ class _Step:
             self.emit(f"server rings slot {i} (late)", self.with_server(
                 self.with_slot(s, inc, i, new), inc, srv._replace(late_posts=srv.late_posts - {i})))  # fmt: skip
         # Server.reap: a slot not FREE, held by no batch, whose lock is free: bump the epoch,
-        # drain its posts, FREE.
+        # drain its posts, FREE. When it runs (each tick, or at once when a claimer that found
+        # no FREE slot asks through the header's ``slot_wanted``) is not modelled: it may run at
+        # any step here, which covers both.
         if slot.state != FREE and i not in held and slot.lock is None:
             new = slot._replace(state=FREE, gen=slot.gen + 1, req_posts=0, done_posts=0)
             self.emit(f"reaper frees slot {i}", self.with_server(

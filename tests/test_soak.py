@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from bicodec_shm.cli import main
+from bicodec_shm.tools.cli import main
 
 
 def _chaos(tmp_path, capsys, seed: int, *extra: str) -> dict:
@@ -86,7 +86,7 @@ def test_injected_exceptions_land_only_where_cpython_runs_signal_handlers_and_re
     ``__exit__``), and every point, through the block and after it, is reached."""
     import threading
 
-    from bicodec_shm import soak
+    from bicodec_shm.tools import soak
 
     lock, books = threading.Lock(), {}
 
@@ -125,7 +125,7 @@ def test_injected_exceptions_land_only_where_cpython_runs_signal_handlers_and_re
 
 
 def test_a_forked_child_that_does_not_exit_in_time_counts_as_hung(tmp_path):
-    from bicodec_shm import soak
+    from bicodec_shm.tools import soak
 
     children = soak._Children(str(tmp_path / "forks.txt"))
     import warnings
@@ -149,7 +149,7 @@ def test_a_forked_child_that_does_not_exit_in_time_counts_as_hung(tmp_path):
 
 
 def test_timeouts_undocumented_errors_hangs_and_unlocked_slots_fail_the_soak(tmp_path):
-    from bicodec_shm import soak
+    from bicodec_shm.tools import soak
 
     log = tmp_path / "client-0.log"
     log.write_text("S 1\nO 1\nS 2\nT 2\nS 3\nU 3 Gone\nS 4\nE 4 Injected\nF\nH fork 99\nX 5\nS 6\n")

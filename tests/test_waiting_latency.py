@@ -16,13 +16,13 @@ import pytest
 from conftest import ROOT
 from support import assert_lone_int16, seeded_request
 
-from bicodec_shm.client import DecoderClient
-from bicodec_shm.transport import CLAIMED
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.protocol.layout import CLAIMED
 
 # A worker that decodes once and then sits idle with its warm slot until its stdin closes.
 IDLE_WORKER = """
 import sys
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 client = DecoderClient(sys.argv[1], slots=1, timeout=30)
 client.decode([1, 2, 3], [0] * 32)
 print("idle", flush=True)
@@ -33,7 +33,7 @@ client.close()
 # Other workers' asyncio waiters, as many as the server has bells: every bell is taken.
 BELL_HOLDER = """
 import sys
-from bicodec_shm.transport import Segment
+from bicodec_shm.protocol.segment import Segment
 seg = Segment.attach(sys.argv[1])
 held = [b for b in range(seg.layout.n_slots) if seg.try_lock_bell(b)]
 print(len(held), flush=True)

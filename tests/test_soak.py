@@ -162,3 +162,42 @@ def test_timeouts_undocumented_errors_hangs_and_unlocked_slots_fail_the_soak(tmp
     clean = tmp_path / "client-1.log"
     clean.write_text("S 1\nO 1\nS 2\nE 2 ClientClosedError\nF\n")
     assert soak._tally([(str(clean), False)], args, 0, 0, 0, 0, 0, 0, 0, 1.0).ok
+
+
+def test_no_exception_is_injected_into_a_finalizer_that_the_collector_runs_during_a_call():
+    """An exception in ``__del__`` never reaches a caller (Python prints and drops it), so the
+    injector leaves finalizers alone; pytest turns a dropped one into a failure."""
+    from bicodec_shm.tools import soak
+
+    package_file = soak.__file__.replace("soak.py", "attachment.py")
+    finalized = []
+
+    class Handle:
+        def __del__(self) -> None:
+            finalized.append(1)
+            finalized.append(len(finalized))  # points in here, if it were injected into
+
+    Handle.__del__.__code__ = Handle.__del__.__code__.replace(co_filename=package_file)
+
+    def step() -> None:
+        Handle()  # dropped at once: its __del__ runs inside the call
+
+    step.__code__ = step.__code__.replace(co_filename=package_file)
+
+    class Exactly:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def random(self) -> float:
+            return 0.0
+
+        def randrange(self, lo: int, hi: int) -> int:
+            return self.k
+
+    for k in range(1, 8):
+        try:
+            soak._Injector(1.0, Exactly(k)).run(step, 100)  # type: ignore[arg-type]
+        except soak.Injected:
+            pass
+    # Every finalizer that began ran to its end (point 1, the call's entry, comes before any).
+    assert finalized == [x for n in range(6) for x in (1, 2 * n + 1)]

@@ -129,10 +129,16 @@ _HARNESS = os.path.abspath(__file__)
 # anywhere in the call, its clean-ups included, and now and then past the end of a short one.
 _DECODE_POINTS = 160
 _CHURN_POINTS = 560
-FORK_REQUESTS = 20  # a decoding child's requests
+FORK_REQUESTS = 20  # a decoding child's requests, at most
+FORK_SECONDS = 15.0  # a decoding child starts no request after this; its exit must follow its last call
 BARE_FORK_EXIT = 20.0  # seconds a forked child may take to exit before it counts as hung
-DECODING_FORK_EXIT = 90.0
 THREAD_EXIT = 30.0  # seconds a caller thread may take to finish once asked to stop, past its timeout
+
+
+def _decoding_fork_exit(call_timeout: float) -> float:
+    """Seconds a decoding child may take to exit: its requests' time, one call's timeout past
+    it (a call that timed out ends with an error, not a hang), and slack for a loaded machine."""
+    return FORK_SECONDS + call_timeout + 30.0
 
 
 class Interrupted(KeyboardInterrupt):
@@ -180,10 +186,22 @@ class _Injector:
             if left[0] == 0:
                 raise Injected()  # CPython unsets the trace function; the frame raises
 
+        in_finalizer = [0]
+
+        def finalizer(frame, event, arg):
+            if event == "return":
+                in_finalizer[0] -= 1
+            return finalizer
+
         def enter(frame, event, arg):
             frames_entered[0] += 1
+            if frame.f_code.co_name == "__del__":
+                # A finalizer the garbage collector runs during the call: an exception there
+                # never reaches a caller (Python prints and drops it). Not injected into.
+                in_finalizer[0] += 1
+                return finalizer
             path = frame.f_code.co_filename
-            if not path.startswith(_PACKAGE) or path == _HARNESS:
+            if in_finalizer[0] or not path.startswith(_PACKAGE) or path == _HARNESS:
                 return None
             frame.f_trace_opcodes = True
             code = frame.f_code.co_code
@@ -438,15 +456,16 @@ def client_main(argv: list[str]) -> int:
                 out.reopen(f"{log_path}.fork{os.getpid()}")
                 child_rng = random.Random(os.getpid())
                 child_injector = _Injector(opt["inject_share"], child_rng)
+                until = time.monotonic() + FORK_SECONDS
                 for _ in range(FORK_REQUESTS):
-                    if os.path.exists(stop_file):
+                    if os.path.exists(stop_file) or time.monotonic() >= until:
                         break
                     one_sync(child_rng, child_injector, signals=True)
                 handle[0].close()
                 out.close()
                 os._exit(0)
             out.note("F")
-            children.add(pid, f"{log_path}.fork{pid}", DECODING_FORK_EXIT)
+            children.add(pid, f"{log_path}.fork{pid}", _decoding_fork_exit(timeout))
         for what in children.poll():
             out.note(f"H {what}")
         one_sync(rng, injector, signals=True)
@@ -762,14 +781,15 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
         for proc, _ in clients.values():
             try:
                 # At worst: its threads' last calls, its children, and one more call.
-                proc.wait(timeout=2 * args.call_timeout + THREAD_EXIT + DECODING_FORK_EXIT + 30)
+                proc.wait(timeout=2 * args.call_timeout + THREAD_EXIT + 30
+                          + _decoding_fork_exit(args.call_timeout))
             except subprocess.TimeoutExpired:
                 hung += 1
                 proc.send_signal(signal.SIGQUIT)  # its threads' stacks, into its log's .stacks
                 time.sleep(1.0)
                 proc.kill()
                 proc.wait()
-        fork_logs, hung_forks = _finish_forks(forks_path, timeout=DECODING_FORK_EXIT)
+        fork_logs, hung_forks = _finish_forks(forks_path, timeout=_decoding_fork_exit(args.call_timeout))
         logs += [(path, False) for path in fork_logs]
         if args.group:  # wait for a member killed last to be back
             deadline = time.monotonic() + 60

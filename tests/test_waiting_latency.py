@@ -120,3 +120,4 @@ def test_an_asyncio_handle_that_gets_no_bell_is_answered_within_its_short_poll(t
         assert statistics.median(times) < 0.05, [f"{t * 1000:.0f} ms" for t in times]
     finally:
         _finish([holder])
+

@@ -51,6 +51,7 @@ import random
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -65,6 +66,12 @@ from .transport import CLAIMED, FREE, NO_BELL, READY, OutputDtype, Phase, Segmen
 SLICE = 0.1  # seconds a waiter sleeps before checking that its server still serves
 _FLOAT32 = int(OutputDtype.FLOAT32)
 _BELL_IDLE = 2.0  # seconds without async requests before the waiter thread and bell go away
+
+
+class _User:
+    """A token for one ``Attachment.use()`` in progress (weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
 
 
 class Gone(Exception):
@@ -116,7 +123,9 @@ class Attachment:
         self.pending: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.bell: int | None = None
         self.waiter: threading.Thread | None = None
-        self.users: set[object] = set()  # one token per use() in progress: the mapping must outlive them
+        # One token per use() in progress: the mapping must outlive them. Weak: a use() whose
+        # cleanup an exception cut short still leaves once its frame is gone.
+        self.users: weakref.WeakSet[_User] = weakref.WeakSet()
         self.retired: BaseException | None = None  # why this attachment takes no more work
         self.stopped_cleanly = False  # the server stopped on purpose (not a crash)
         self.unmapped = False
@@ -139,7 +148,7 @@ class Attachment:
     @contextlib.contextmanager
     def use(self) -> Iterator[Segment]:
         """Hold the mapping for the duration of the block; raise if the attachment retired."""
-        token = object()  # added and discarded in one step each, inside the try: an exception
+        token = _User()  # added and discarded in one step each, inside the try: an exception
         try:  # anywhere in between (a signal handler's) cannot leave a user counted for ever
             with self.lock:
                 if self.retired is not None:

@@ -259,12 +259,9 @@ class DecoderClient:
         while True:
             att = self._attachment(deadline)
             _fit(att, request)
+            seq = att.new_seq()  # before the try: its cleanup must know what to look for
             try:
-                slot, seq = att.take_slot(deadline)
-            except Gone:
-                self._drop(att)
-                continue
-            try:
+                slot, _ = att.take_slot(deadline, seq)
                 _submit(att, slot, seq, request, NO_BELL)
                 self._requests += 1
                 return att.wait_result(slot, seq, deadline)
@@ -272,9 +269,10 @@ class DecoderClient:
                 self._drop(att)
             except BaseException:
                 # Ctrl-C, a signal handler's exception (a SIGALRM timeout), a timeout, an
-                # error answer: the slot goes back, or is let go of if the server may still
-                # have the request (see attachment.py). Never kept out of use.
-                att.done_with(slot, seq)
+                # error answer, wherever it lands from taking the slot on: the slot goes back,
+                # or is let go of if the server may still have the request, and a step it
+                # interrupted is finished (see attachment.py). Never kept out of use.
+                att.abandon(seq)
                 raise
 
     async def decode_async(self, semantic_ids: Any, global_ids: Any, *, dtype: str = "int16",
@@ -291,13 +289,10 @@ class DecoderClient:
                 await asyncio.sleep(SLICE)
                 continue
             _fit(att, request)
-            try:
-                slot, seq = await att.take_slot_async(deadline)
-            except Gone:
-                self._drop(att)
-                continue
+            seq = att.new_seq()  # before the try: see ``_decode``
             future = loop.create_future()
             try:
+                slot, _ = await att.take_slot_async(deadline, seq)
                 bell = att.register(slot, seq, loop, future)
                 _submit(att, slot, seq, request, bell)
                 self._requests += 1
@@ -313,12 +308,11 @@ class DecoderClient:
                     raise att.timeout_error() from None
             except Gone:
                 _discard(future)
-                att.forget_pending(slot, seq)
+                att.abandon(seq)
                 self._drop(att)
             except BaseException:  # cancelled, or an error answer: see ``decode``
                 _discard(future)
-                att.forget_pending(slot, seq)
-                att.done_with(slot, seq)
+                att.abandon(seq)
                 raise
 
     def get_stats(self) -> dict:

@@ -213,7 +213,9 @@ class DecoderServer:
         self._serving = threading.Event()  # serve_forever has begun (in whichever thread)
         self._stopped = threading.Event()
         self._teardown_lock = threading.Lock()
-        self._held: set[int] = set()  # slots in planned or running batches
+        # Slots in planned or running batches -> the seen time of the request that holds each (a
+        # new one for every confirmation: a slot held again, by another lane, is told apart).
+        self._held: dict[int, int] = {}
         self._held_lock = threading.Lock()
         self._counters_lock = threading.Lock()
         # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
@@ -443,7 +445,7 @@ class DecoderServer:
             for slot in chosen_slots:
                 self._confirmed.pop(slot, None)
             with self._held_lock:
-                self._held.update(chosen_slots)
+                self._held.update(zip(chosen_slots, req.seen_ns.tolist()))
             batch, failures = gather(seg, req, semantic_vocab=self.semantic_vocab,
                                      global_vocab=self.global_vocab)  # fmt: skip
             for slot, status, message in failures:
@@ -605,7 +607,8 @@ class DecoderServer:
         the slot left the held set, so the dispatcher never skips its next request (a lost
         wake-up: it would wait for the next tick of the reaper)."""
         with self._held_lock:
-            self._held.difference_update(slots)
+            for slot in slots:
+                self._held.pop(slot, None)
             ring(self.segment, slots, bells)
 
     def _fail_row(self, batch: Batch, row: int, message: str) -> None:
@@ -650,7 +653,11 @@ class DecoderServer:
             self._measure(batch)
         self._lane_idle_since[lane] = time.monotonic_ns()
         with self._held_lock:  # normally done already, when each row was answered
-            self._held.difference_update(batch.slots.tolist())
+            # Only the rows this batch still holds: a row answered already may be held again,
+            # by another lane, for its client's next request.
+            for slot, seen in zip(batch.slots.tolist(), batch.requests.seen_ns.tolist()):
+                if self._held.get(slot) == seen:
+                    del self._held[slot]
         with self._counters_lock:
             self.segment.header["busy_lanes"] -= 1
 

@@ -59,6 +59,12 @@ def m(name: str, why: str, file: str, old: str, new: str, *tests: str, timeout: 
 
 
 MUTANTS: tuple[Mutant, ...] = (
+    # -- issue 28: fork, limits, internal errors, squatted names, signals -------------------------
+    Mutant("f28-3-sem-open-close-release-the-gil",
+           "sem_open/sem_close through ctypes.CDLL: a fork inside one leaves glibc's lock held",
+           (("bicodec_shm/semwait.py", "_sem_open = _libc_gil.sem_open", "_sem_open = _libc.sem_open"),
+            ("bicodec_shm/semwait.py", "_sem_close = _libc_gil.sem_close", "_sem_close = _libc.sem_close")),
+           ("tests/test_semwait.py", "-k", "fork_while_threads"), timeout=240.0),
     # -- issue 21's table ------------------------------------------------------------------------
     m("snake-without-1/alpha", "Snake as x + sin²(αx)", "bicodec_shm/model/modules.py",
       "return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)",

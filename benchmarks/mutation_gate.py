@@ -65,6 +65,17 @@ MUTANTS: tuple[Mutant, ...] = (
            (("bicodec_shm/semwait.py", "_sem_open = _libc_gil.sem_open", "_sem_open = _libc.sem_open"),
             ("bicodec_shm/semwait.py", "_sem_close = _libc_gil.sem_close", "_sem_close = _libc.sem_close")),
            ("tests/test_semwait.py", "-k", "fork_while_threads"), timeout=240.0),
+    m("f28-9-early-check-uses-the-last-server-s-limit",
+      "decode() refuses what the server last attached could not hold, not what no server could",
+      "bicodec_shm/client.py", "max_len=MAX_FRAMES, limit=ANY_SLOT_LIMIT)  # fmt: skip",
+      "max_len=self._att.max_tokens if self._att is not None else MAX_FRAMES,\n"
+      "                                  limit=ANY_SLOT_LIMIT)  # fmt: skip",
+      "tests/test_client_boundary.py", "-k", "larger_max_tokens"),
+    m("f28-9-a-stale-attachment-refuses-by-its-limits",
+      "a request that does not fit an attachment whose server went away is refused, not resubmitted",
+      "bicodec_shm/client.py",
+      "        att.check_alive()  # raises Gone (and retires the attachment) if its server went away\n", "",
+      "tests/test_client_boundary.py", "-k", "larger_max_tokens"),
     # -- issue 21's table ------------------------------------------------------------------------
     m("snake-without-1/alpha", "Snake as x + sin²(αx)", "bicodec_shm/model/modules.py",
       "return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)",

@@ -25,7 +25,7 @@ from .batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
-from .codecs.layout import default_max_frames, get_layout
+from .codecs.layout import MAX_FRAMES, default_max_frames, get_layout
 from .errors import BiCodecShmError, ServerAlreadyRunningError
 from .group import GroupInfo, group_stats, read_group, validate_group_name
 from .served import describe_served
@@ -59,7 +59,7 @@ PRESETS = ("spark-tts-0.5b", "tiny")
 CODECS = ("bicodec", "snac-24khz", "snac-32khz", "snac-44khz")
 SNAC_PRESETS = tuple(f"{size}-{rate}" for rate in ("24khz", "32khz", "44khz") for size in ("snac", "tiny"))
 # transport.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
-MAX_TOKENS_LIMIT = 100_000
+MAX_TOKENS_LIMIT = MAX_FRAMES
 # How long `serve` waits for a live server under its name to stop before refusing (a rolling
 # restart: SIGTERM to the old server, which finishes its running batch, and a new `serve` at once).
 NAME_GRACE = 5.0

@@ -39,8 +39,11 @@ import numpy as np
 
 from .attachment import SLICE, Attachment, Gone
 from .codecs.layout import (
+    ANY_SLOT_LIMIT,
+    BICODEC,
     DEFAULT_NOISE_SEED,
     LAYOUTS,
+    MAX_FRAMES,
     CodecLayout,
     check_noise_seed,
     check_request,
@@ -51,7 +54,7 @@ from .errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
 from .group import GroupRouter, read_group
 from .served import describe_served
 from .transport import FLAG_NO_NOISE, N_GLOBAL, NO_BELL, ServerState, probe, stats_from_header, validate_name
-from .validation import as_token_array, output_dtype_code
+from .validation import SLOT_LIMIT, as_token_array, output_dtype_code
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_CLIENT_SLOTS = 8
@@ -238,8 +241,8 @@ class DecoderClient:
         deadline = self._deadline(timeout)
         while True:
             att = self._attachment(deadline)
-            _fit(att, request)
             try:
+                _fit(att, request)
                 slot, seq = att.take_slot(deadline)
             except Gone:
                 self._drop(att)
@@ -270,8 +273,8 @@ class DecoderClient:
             if att is None:  # the server is being replaced: wait without blocking the loop
                 await asyncio.sleep(SLICE)
                 continue
-            _fit(att, request)
             try:
+                _fit(att, request)
                 slot, seq = await att.take_slot_async(deadline)
             except Gone:
                 self._drop(att)
@@ -355,23 +358,24 @@ class DecoderClient:
     # -- request plumbing ---------------------------------------------------------------------
 
     def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> _Request:
-        """Validate against the limits of the server last attached (``_fit`` checks again
-        against the attachment a request actually uses: a server may have been replaced by
-        one with other limits, or a group's members may differ)."""
+        """Validate against BiCodec's own bounds: refuse here only what no server could take.
+        ``_fit`` checks the limits of the attachment a request actually uses (a server may have
+        been replaced by one with other limits, or a group's members may differ)."""
         if self._closed:
             raise self._closed_error()
-        _check_codec("bicodec", None, self._codec, self.name)
-        vocab, global_vocab, max_tokens = self._limits
-        semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=vocab, max_len=max_tokens)
-        globals_ = as_token_array(global_ids, what="global_ids", vocab=global_vocab,
+        semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=BICODEC.level_vocab[0],
+                                  max_len=MAX_FRAMES, limit=ANY_SLOT_LIMIT)  # fmt: skip
+        globals_ = as_token_array(global_ids, what="global_ids", vocab=BICODEC.global_vocab,
                                   max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
         return _Request("bicodec", None, [semantic], globals_, output_dtype_code(dtype),
-                        checked=self._codec)  # fmt: skip
+                        checked=BICODEC)  # fmt: skip
 
     def _prepare_codes(self, levels: Any, global_ids: Any, noise_seed: int, noise: bool,
                        dtype: str, codec: str | None, *, kind: str = "codes",
                        start_frame: int = 0) -> _Request:  # fmt: skip
-        """Validate a code-level request against the layout of the server last attached."""
+        """Validate a code-level request against its codec's own bounds: the codec it names
+        (``codec``, or snac-24khz for Orpheus tokens), else the one the server last attached
+        serves; any length a server could hold. ``_fit`` checks the attachment's limits."""
         if self._closed:
             raise self._closed_error()
         if codec is not None and codec not in LAYOUTS:
@@ -381,7 +385,14 @@ class DecoderClient:
         request = _Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
                            check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE,
                            check_start_frame(start_frame))  # fmt: skip
-        _check_request(request, self._codec, self._limits[2], self.name)
+        layout = LAYOUTS[codec] if codec is not None else self._codec
+        try:
+            _check_request(request, layout, MAX_FRAMES, self.name, limit=ANY_SLOT_LIMIT)
+        except ValueError:
+            # Codes that do not fit the codec they name, sent to a server of another codec: say
+            # that first (the likelier slip), naming both codecs.
+            _check_codec(kind, codec, self._codec, self.name)
+            raise
         return request
 
     def _deadline(self, timeout: float | None) -> float:
@@ -396,7 +407,6 @@ class DecoderClient:
         while True:
             try:
                 att = self._connect_once()
-                self._limits = (att.semantic_vocab, att.global_vocab, att.max_tokens)
                 self._codec = att.codec
                 return att
             except ServerUnavailableError as exc:
@@ -520,11 +530,20 @@ class DecoderClient:
 def _fit(att: Attachment, request: _Request) -> None:
     """Check a validated request against the limits of the server that will decode it, before
     anything is written (a restarted server may have a smaller --max-tokens, or serve another
-    codec)."""
+    codec). Raises ``Gone`` rather than refuse it for a server that no longer serves: its
+    successor, with limits of its own, decides."""
     # The common case costs one comparison: checked against this very layout already (the
     # layout holds every vocabulary), and short enough for this server's slots.
     if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:
         return
+    try:
+        _fit_slow(att, request)
+    except ValueError:
+        att.check_alive()  # raises Gone (and retires the attachment) if its server went away
+        raise
+
+
+def _fit_slow(att: Attachment, request: _Request) -> None:
     if request.kind != "bicodec":
         _check_request(request, att.codec, att.max_tokens, att.name)
         return
@@ -569,9 +588,11 @@ def _check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -
     raise ValueError(f"{what}, but {name!r} serves {served.name} ({served.describe()}): {hint}")
 
 
-def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name: str) -> None:
+def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name: str, *,
+                   limit: str = SLOT_LIMIT) -> None:  # fmt: skip
     """Validate a code-level request against ``layout`` in place (its levels become int32
-    arrays); a request shaped for another codec is refused naming both codecs."""
+    arrays); a request shaped for another codec is refused naming both codecs. ``limit`` says
+    what ``max_frames`` is, for the message of a request that is too long."""
     _check_codec(request.kind, request.codec, layout, name)
     levels = request.levels
     n_levels = len(levels) if isinstance(levels, (list, tuple)) else None
@@ -586,7 +607,7 @@ def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name
             f"{layout.describe()}"
         )
     request.levels, request.global_ids, _ = check_request(layout, levels, request.global_ids,
-                                                          max_frames=max_frames)  # fmt: skip
+                                                          max_frames=max_frames, limit=limit)  # fmt: skip
     request.checked = layout
 
 

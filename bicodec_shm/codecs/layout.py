@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..validation import as_token_array
+from ..validation import SLOT_LIMIT, as_token_array
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,11 @@ LAYOUTS: dict[str, CodecLayout] = {c.name: c for c in (BICODEC, SNAC_24KHZ, SNAC
 
 
 DEFAULT_MAX_SECONDS = 30  # the longest request a server takes by default (serve --max-tokens)
+# The most frames any server's slot holds: transport.Segment.create refuses a larger
+# --max-tokens. A longer request is refused by the client before it looks for a server; any
+# shorter one is checked against the slots of the server that will decode it.
+MAX_FRAMES = 100_000
+ANY_SLOT_LIMIT = f"any server's slot can hold (--max-tokens is at most {MAX_FRAMES}); split the request"
 
 
 def default_max_frames(codec: str) -> int:
@@ -177,6 +182,7 @@ def check_request(
     global_ids: Any = None,
     *,
     max_frames: int | None = None,
+    limit: str = SLOT_LIMIT,
 ) -> tuple[list[np.ndarray], np.ndarray | None, int]:
     """Validate one request against ``layout``; return its levels as int32 arrays and its frames.
 
@@ -185,6 +191,8 @@ def check_request(
             first; level ``i`` must hold ``frames · level_rates[i]`` ids.
         global_ids: the global ids for a codec that takes them, else None.
         max_frames: the most frames a request may carry (the server's slot size), or None.
+        limit: what ``max_frames`` is, for the message of a request that is too long (default:
+            a slot of the server, whose --max-tokens sets it).
 
     Returns:
         ``(levels, global_ids, frames)``: contiguous int32 arrays (``global_ids`` None for a codec
@@ -205,9 +213,9 @@ def check_request(
         raise ValueError(
             f"{name} takes {layout.n_levels} code level(s) at rates {rates}, got {len(levels)}"
         )
-    limit = max_frames if max_frames is not None else np.iinfo(np.int32).max
+    most = max_frames if max_frames is not None else np.iinfo(np.int32).max
     arrays = [
-        as_token_array(level, what=f"levels[{i}]", vocab=vocab, max_len=limit * rate)
+        as_token_array(level, what=f"levels[{i}]", vocab=vocab, max_len=most * rate, limit=limit)
         for i, (level, rate, vocab) in enumerate(
             zip(levels, layout.level_rates, layout.level_vocab, strict=True)
         )

@@ -76,6 +76,16 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/client.py",
       "        att.check_alive()  # raises Gone (and retires the attachment) if its server went away\n", "",
       "tests/test_client_boundary.py", "-k", "larger_max_tokens"),
+    m("f28-10-a-replaced-group-router-raises-gone",
+      "a call that picks from a group router another thread retired gets Gone('')",
+      "bicodec_shm/group.py",
+      "            if isinstance(self._closed, Gone):\n"
+      "                return None  # replaced (the group under the name changed): the caller looks again\n",
+      "", "tests/test_client_boundary.py", "-k", "group-replaced"),
+    m("f28-10-re-attach-past-the-deadline",
+      "a server that serves but fails every attachment keeps a call re-attaching for ever",
+      "bicodec_shm/client.py", "        if now >= deadline:\n            raise self._lost_error(exc)\n", "",
+      "tests/test_client_boundary.py", "-k", "semaphores_were_removed"),
     # -- issue 21's table ------------------------------------------------------------------------
     m("snake-without-1/alpha", "Snake as x + sin²(αx)", "bicodec_shm/model/modules.py",
       "return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)",

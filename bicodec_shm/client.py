@@ -64,6 +64,7 @@ DEFAULT_CLIENT_SLOTS = 8
 # name before it loads its model, but only once its interpreter is up: 0.5 s here when idle,
 # over 2 s on a loaded 2-core machine (the 10-minute soak failed 88% of its requests at 2 s).
 STOP_GRACE = 5.0
+REATTACH_PAUSE = SLICE / 5  # between attachments lost in quick succession (see ``_drop``)
 
 _live_clients: weakref.WeakSet[DecoderClient] = weakref.WeakSet()
 
@@ -144,6 +145,9 @@ class DecoderClient:
         self._requests = 0
         self._last_error: Exception | None = None
         self._stopped_at: float | None = None  # when a server that stopped on purpose went away
+        self._last_dropped: Attachment | None = None  # see ``_drop``
+        self._dropped_at = float("-inf")
+        self._quick_drops = 0  # attachments lost less than a slice apart, in a row
         self._closed = False
         self._t_asked = time.monotonic()
         att = self._connect(self._t_asked + connect_timeout)
@@ -238,21 +242,33 @@ class DecoderClient:
         return self._codec
 
     def _decode(self, request: _Request, timeout: float | None) -> np.ndarray:
+        try:
+            return self._decode_sync(request, timeout)
+        except Gone as exc:  # never expected here: the loop resubmits; but never let it out
+            raise self._lost_error(exc) from None
+
+    async def _decode_async(self, request: _Request, timeout: float | None) -> np.ndarray:
+        try:
+            return await self._decode_async_loop(request, timeout)
+        except Gone as exc:  # as in ``_decode``
+            raise self._lost_error(exc) from None
+
+    def _decode_sync(self, request: _Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         while True:
             att = self._attachment(deadline)
             try:
                 _fit(att, request)
                 slot, seq = att.take_slot(deadline)
-            except Gone:
-                self._drop(att)
+            except Gone as exc:
+                self._drop(att, deadline, exc)
                 continue
             try:
                 _submit(att, slot, seq, request, NO_BELL)
                 self._requests += 1
                 return att.wait_result(slot, seq, deadline)
-            except Gone:
-                self._drop(att)
+            except Gone as exc:
+                self._drop(att, deadline, exc)
             except BaseException:
                 # Ctrl-C, a signal handler's exception (a SIGALRM timeout), a timeout, an
                 # error answer: the slot goes back, or is let go of if the server may still
@@ -265,7 +281,7 @@ class DecoderClient:
         """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""
         return await self._decode_async(self._prepare(semantic_ids, global_ids, dtype), timeout)
 
-    async def _decode_async(self, request: _Request, timeout: float | None) -> np.ndarray:
+    async def _decode_async_loop(self, request: _Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         loop = asyncio.get_running_loop()
         while True:
@@ -276,8 +292,8 @@ class DecoderClient:
             try:
                 _fit(att, request)
                 slot, seq = await att.take_slot_async(deadline)
-            except Gone:
-                self._drop(att)
+            except Gone as exc:
+                self._drop(att, deadline, exc)
                 continue
             future = loop.create_future()
             try:
@@ -294,10 +310,10 @@ class DecoderClient:
                         raise Gone() from None
                     att.forget_pending(slot, seq)
                     raise att.timeout_error() from None
-            except Gone:
+            except Gone as exc:
                 _discard(future)
                 att.forget_pending(slot, seq)
-                self._drop(att)
+                self._drop(att, deadline, exc)
             except BaseException:  # cancelled, or an error answer: see ``decode``
                 _discard(future)
                 att.forget_pending(slot, seq)
@@ -411,6 +427,8 @@ class DecoderClient:
                 return att
             except ServerUnavailableError as exc:
                 self._last_error = exc
+            except Gone as exc:  # what it attached to went away at once
+                self._last_error = self._lost_error(exc)
             if time.monotonic() >= deadline:
                 waited = "" if deadline <= self._t_asked else " before the deadline"
                 raise ServerUnavailableError(
@@ -442,6 +460,11 @@ class DecoderClient:
         as long as it is starting."""
         if os.getpid() != self._pid:
             self._forked()
+        pause = self._reattach_pause()
+        if pause:
+            if not block:
+                return None
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         while True:
             if self._closed:
                 raise self._closed_error()
@@ -503,16 +526,42 @@ class DecoderClient:
             self._att = None
         group.close(Gone())
 
-    def _drop(self, att: Attachment) -> None:
-        """Forget an attachment whose server went away; the next call attaches afresh."""
+    def _drop(self, att: Attachment, deadline: float, exc: Gone) -> None:
+        """Forget an attachment whose server went away (``exc``); the next call attaches
+        afresh. At the request's deadline, raise ``ServerUnavailableError`` instead: a server
+        that serves but cannot be used (its semaphores removed, say) must not keep a request
+        re-attaching past its timeout."""
         att.retire(Gone())
+        now = time.monotonic()
         with self._lock:
             if self._att is att:
                 self._att = None
                 if att.stopped_cleanly and self._stopped_at is None:
-                    self._stopped_at = time.monotonic()
+                    self._stopped_at = now
+            if self._last_dropped is not att:  # each lost attachment once, whoever saw it
+                self._last_dropped = att
+                self._quick_drops = self._quick_drops + 1 if now - self._dropped_at < SLICE else 1
+                self._dropped_at = now
         if self._closed:
             raise self._closed_error()
+        if now >= deadline:
+            raise self._lost_error(exc)
+
+    def _reattach_pause(self) -> float:
+        """Seconds to wait before attaching again: 0, unless attachments have been lost in
+        quick succession (a server that serves but fails every attachment), then a short pause
+        between tries rather than a spin."""
+        if self._quick_drops < 2:
+            return 0.0
+        return max(0.0, self._dropped_at + REATTACH_PAUSE - time.monotonic())
+
+    def _lost_error(self, exc: BaseException) -> ServerUnavailableError:
+        why = exc.__cause__ or exc.__context__
+        detail = f" ({why})" if why is not None and str(why) else ""
+        return ServerUnavailableError(
+            f"lost the decoder server {self.name!r} and no attachment took the request before its "
+            f"deadline{detail}"
+        )
 
     def _forked(self) -> None:
         """In a forked child: the parent's attachment (and its slots) are not ours."""

@@ -86,6 +86,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "a server that serves but fails every attachment keeps a call re-attaching for ever",
       "bicodec_shm/client.py", "        if now >= deadline:\n            raise self._lost_error(exc)\n", "",
       "tests/test_client_boundary.py", "-k", "semaphores_were_removed"),
+    m("f28-11-another-user-s-semaphore-stops-the-clean-up",
+      "a PermissionsError unlinking another user's semaphore escapes and leaves our objects",
+      "bicodec_shm/transport.py",
+      "            except posix_ipc.PermissionsError:\n"
+      "                pass  # another user's, in the sticky /dev/shm: not ours to remove (create says so)\n",
+      "", "tests/test_squatted_names.py", timeout=300.0),
     # -- issue 21's table ------------------------------------------------------------------------
     m("snake-without-1/alpha", "Snake as x + sin²(αx)", "bicodec_shm/model/modules.py",
       "return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)",

@@ -471,6 +471,8 @@ def _unlink_semaphores(name: str) -> int:
                 removed += 1
             except posix_ipc.ExistentialError:
                 pass
+            except posix_ipc.PermissionsError:
+                pass  # another user's, in the sticky /dev/shm: not ours to remove (create says so)
     return removed
 
 

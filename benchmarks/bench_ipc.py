@@ -89,11 +89,12 @@ import numpy as np
 import posix_ipc
 from tqdm import tqdm
 
-from bicodec_shm.batching import DEFAULT_CUDA_MAX_BATCH_TOKENS
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.deploy.processes import is_serving
 from bicodec_shm.errors import SegmentError, ServerUnavailableError
-from bicodec_shm.processes import is_serving
-from bicodec_shm.transport import leftover_objects, random_name, read_header, unlink_all
+from bicodec_shm.protocol.header import read_header
+from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
+from bicodec_shm.server.batching import DEFAULT_CUDA_MAX_BATCH_TOKENS
 
 N_TOKENS = 50
 N_GLOBAL = 32
@@ -185,7 +186,7 @@ def _serve_noop(name: str, slots: int, max_batch: int, profile_path: str | None,
     import torch
 
     torch.set_num_threads(1)
-    from bicodec_shm.server import DecoderServer
+    from bicodec_shm.server.server import DecoderServer
 
     server = DecoderServer(_NoopDecoder(), name, slots=slots, max_batch=max_batch,
                            max_wait_ms=max_wait_ms, max_batch_tokens=NOOP_MAX_BATCH_TOKENS)  # fmt: skip
@@ -995,7 +996,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # The same machine record as bench_throughput; imported here, not at the top, so that the
     # spawned children (which import this module) need not import the bench package.
-    from bicodec_shm.bench.sampling import environment
+    from bicodec_shm.tools.bench.sampling import environment
 
     args = _parse(argv)
     # SIGTERM (e.g. from a CI timeout) unwinds like Ctrl-C, so every finally block runs and

@@ -49,9 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bicodec_shm.model import BiCodecDecoder, modules  # noqa: E402
-from bicodec_shm.model.buckets import BucketGrid  # noqa: E402
+from bicodec_shm.model.bicodec.buckets import BucketGrid  # noqa: E402
+from bicodec_shm.model.bicodec.graphs import GraphedDecoder  # noqa: E402
 from bicodec_shm.model.devices import exact_cuda_math, resolve_device  # noqa: E402
-from bicodec_shm.model.graphs import GraphedDecoder  # noqa: E402
 from bicodec_shm.model.precision import DTYPES, resolve_dtype, snr_db  # noqa: E402
 
 BATCH_SIZES = (1, 2, 4, 8)

@@ -49,12 +49,13 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ipc import N_GLOBAL, N_TOKENS, _NoopDecoder  # noqa: E402  (the same no-op decoder)
 
-from bicodec_shm import server as server_module  # noqa: E402
-from bicodec_shm.batching import DEFAULT_CUDA_MAX_BATCH_TOKENS  # noqa: E402
-from bicodec_shm.client import DecoderClient, _submit  # noqa: E402
-from bicodec_shm.lanes import Lane, Runner  # noqa: E402
-from bicodec_shm.server import DecoderServer  # noqa: E402
-from bicodec_shm.transport import NO_BELL, leftover_objects, random_name  # noqa: E402
+from bicodec_shm.client.decoder_client import DecoderClient, _submit  # noqa: E402
+from bicodec_shm.protocol.layout import NO_BELL
+from bicodec_shm.protocol.names import leftover_objects, random_name  # noqa: E402
+from bicodec_shm.server import server as server_module  # noqa: E402
+from bicodec_shm.server.batching import DEFAULT_CUDA_MAX_BATCH_TOKENS  # noqa: E402
+from bicodec_shm.server.lanes import Lane, Runner  # noqa: E402
+from bicodec_shm.server.server import DecoderServer  # noqa: E402
 
 DEFAULT_BATCHES = (1, 16)
 REQUESTS = 3000  # per batch size and pass (so batch 16 runs ~190 batches)

@@ -129,7 +129,7 @@ def _vs_snac(model: SNACDecoder, codes: list[torch.Tensor]) -> float | None:
         return None
     from unittest import mock
 
-    from bicodec_shm.model import checkpoint as shared
+    from bicodec_shm.model import weights as shared
 
     twin = snac.SNAC(**model.config.to_dict()).eval().to(model.device)
     state = shared.convert_state_dict(model.state_dict(), shared.weight_norm_prefixes(model),

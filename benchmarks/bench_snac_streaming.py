@@ -25,9 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bicodec_shm.client.streaming import CODEC_PRESETS, DecodeStream  # noqa: E402
 from bicodec_shm.model.precision import snr_db  # noqa: E402
 from bicodec_shm.model.snac import SNACDecoder  # noqa: E402
-from bicodec_shm.streaming import CODEC_PRESETS, DecodeStream  # noqa: E402
 
 
 def bench_variant(model: SNACDecoder, frames: int, seed: int = 0) -> list[dict[str, Any]]:

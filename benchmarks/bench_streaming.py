@@ -1,4 +1,4 @@
-"""Streaming decode (``bicodec_shm.streaming.DecodeStream``) against the full single decode.
+"""Streaming decode (``bicodec_shm.client.streaming.DecodeStream``) against the full single decode.
 
 For random token sequences of 5-20 s (250-1000 tokens) on the full-size architecture
 (``spark-tts-0.5b``, random weights, seed 0), decoded in-process with ``BiCodecDecoder``, each
@@ -35,8 +35,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bicodec_shm.client.streaming import (
+    HOP,
+    PRESETS,
+    SAMPLE_RATE,
+    DecodeStream,
+    StreamSettings,
+)
 from bicodec_shm.model import BiCodecDecoder
-from bicodec_shm.streaming import HOP, PRESETS, SAMPLE_RATE, DecodeStream, StreamSettings
 
 JOINT_MS = 20.0
 DEFAULT_ROWS = ("peers", "default", "exact")

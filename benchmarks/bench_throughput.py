@@ -12,7 +12,7 @@ stand-in (a sleep of a + b·rows·longest ms per batch) and adds the ideal batch
 and ``--server-arg`` pass options to the server; ``--sweep`` tunes ``max_wait_ms`` x
 ``max_batch_tokens`` instead.
 
-The implementation is the package ``bicodec_shm/bench/`` (also ``bicodec-shm bench``), so that
+The implementation is the package ``bicodec_shm/tools/bench/`` (also ``bicodec-shm bench``), so that
 it works from a fresh install without this folder; this script only puts its outputs in
 benchmarks/out/.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
-from bicodec_shm.bench import main
+from bicodec_shm.tools.bench import main
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 

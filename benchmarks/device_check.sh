@@ -10,8 +10,12 @@
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #          --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #          --platform manylinux1_x86_64 -d .whl posix_ipc==1.3.2
-#      (posix_ipc is the only package the image lacks that a check needs; starlette/uvicorn are
-#      only for examples/, whose tests are not gpu-marked.)
+#        python3 -m pip download --no-deps -d .whl descript-audio-codec==1.0.0 \
+#          descript-audiotools==0.7.2 einops
+#      (posix_ipc is the only package the image lacks that the server needs; the three pure-Python
+#      wheels are the reference the DAC gpu tests compare with, installed without their
+#      dependencies as in CI; starlette/uvicorn are only for examples/, whose tests are not
+#      gpu-marked.)
 #   2. The device tool's `run`, from the checkout whose tree travels:
 #        command:   bash benchmarks/device_check.sh
 #        carry:     [".whl"]
@@ -42,6 +46,9 @@
 #                (rewritten after every run)
 #   bench_snac   benchmarks/bench_snac_model.py --variant snac-24khz on cuda:0 (Orpheus's codec):
 #                cost per frame at B 1 and 16, batched vs lone, FLOPs -> bench_snac.json
+#   bench_dac    python -m bicodec_shm bench --codec dac-44khz --device cuda:0 (Dia's and
+#                Parler-TTS's codec, full size): N = 4, 16 against a decoder per process
+#                -> bench_dac.json
 #   summary.txt  each step's exit code and seconds, then the numbers the targets ask for
 #
 # Files: every step writes into a scratch folder ($SCRATCH, default a fresh /tmp folder); after
@@ -64,7 +71,8 @@ WHEELS="${WHEELS:-$ROOT/.whl}"
 SITE="${SITE:-/tmp/site}"
 DTYPES="${DTYPES:-float32 bfloat16 float16}"
 DEADLINE_S="${DEADLINE_S:-420}"
-ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 bench_throughput bench_snac bench_model_float16"
+ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 bench_throughput bench_snac bench_dac"
+ALL_STEPS+=" bench_model_float16"
 STEPS="${STEPS:-$ALL_STEPS}"
 # `bicodec-shm bench` flags: N clients; one 5 s window per system and N (the GPU decodes in ms,
 # so 5 s holds thousands of requests); the decoder per process only up to N = 16 (32 processes
@@ -220,7 +228,7 @@ EOF
 # --- the GPU-marked tests, wherever they are in tests/ ------------------------------------------
 # --continue-on-collection-errors: a test module that needs what the image lacks (starlette for
 # the HTTP example) must not stop the gpu tests of every other module.
-run_step gpu_tests 110 "$PY" -m pytest -m gpu tests -v -rA -p no:cacheprovider --timeout 100 \
+run_step gpu_tests 130 "$PY" -m pytest -m gpu tests -v -rA -p no:cacheprovider --timeout 100 \
     --continue-on-collection-errors -o junit_family=xunit1 --junitxml="$SCRATCH/gpu_tests.xml"
 
 # --- the decoder: grid x dtypes x graphs; then the whole server -----------------------------
@@ -240,6 +248,11 @@ run_step bench_throughput 150 "$PY" -m bicodec_shm bench --device cuda:0 $BENCH_
 # SNAC 24 kHz (Orpheus): short, one shape pair; the batched rows against their lone decodes too.
 run_step bench_snac 40 "$PY" benchmarks/bench_snac_model.py --variant snac-24khz --device cuda:0 \
     --lengths 12,47 --batch-sizes 1,16 --repeats 3 --json "$SCRATCH/bench_snac.json"
+# DAC 44.1 kHz (Dia, Parler-TTS) through the same engine: the shared server, its no-IPC limit and
+# a decoder per process at N = 4 and 16, one 5 s window each.
+run_step bench_dac 75 "$PY" -m bicodec_shm bench --codec dac-44khz --device cuda:0 --n 4,16 --window 5 \
+    --repeats 1 --timeout 60 --per-process-max-n 16 --memory-gib 120 --systems shm,limit,per-process \
+    --no-plot --no-progress --json "$SCRATCH/bench_dac.json"
 case " $DTYPES " in *" float16 "*) [ "$first" = float16 ] || bench_model float16 45 ;; esac
 
 # --- summary ------------------------------------------------------------------------------------
@@ -289,6 +302,15 @@ try:
     print(json.dumps(bench.get("summary", bench.get("targets", "")), indent=1)[:3000])
 except (OSError, ValueError) as exc:
     print(f"\nno bench_throughput.json: {exc}")
+try:
+    dac = json.load(open(os.path.join(out, "bench_dac.json")))
+    print("\n== bench_dac (dac-44khz, full size): see bench_dac.log for the table ==")
+    for r in dac.get("results", []):
+        p50 = r.get("latency_p50_ms")
+        print(f"  N={r['n_clients']} {r['system']}: {r['audio_s_per_s']:.1f} audio s/s, "
+              f"p50 {'-' if p50 is None else f'{p50:.0f} ms'}, peak RSS {r['peak_rss_mib']:.0f} MiB")
+except (OSError, ValueError, KeyError) as exc:
+    print(f"\nno bench_dac.json: {exc}")
 EOF
 say "done in $((SECONDS - START))s; summary.txt and device_check.tar.gz in $OUT_DIR"
 finish 0

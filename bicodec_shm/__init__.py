@@ -25,21 +25,21 @@ from .errors import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model import BiCodecDecoder
-    from .server import DecoderServer
+    from .server.server import DecoderServer
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # Public names that import torch, loaded on first attribute access (PEP 562).
 _LAZY = {
-    "BiCodecDecoder": ".model",
-    "DecoderServer": ".server",
+    "BiCodecDecoder": ".model.bicodec.decoder",
+    "DecoderServer": ".server.server",
 }
 
 _EAGER = {
-    "BiCodecBatchDecoder": ".compat",
-    "DecodeStream": ".streaming",
-    "DecoderClient": ".client",
-    "StreamSettings": ".streaming",
+    "BiCodecBatchDecoder": ".integrations.batch_decoder",
+    "DecodeStream": ".client.streaming",
+    "DecoderClient": ".client.decoder_client",
+    "StreamSettings": ".client.streaming",
 }
 
 

@@ -42,7 +42,7 @@ class DecodeError(BiCodecShmError):
     """The server failed this request; other requests in the same batch were not affected.
 
     ``code`` is the numeric status the server wrote into the slot (see
-    ``bicodec_shm.transport.Status``) and ``detail`` is its human-readable message.
+    ``bicodec_shm.protocol.layout.Status``) and ``detail`` is its human-readable message.
     """
 
     def __init__(self, message: str, *, code: int = 0, detail: str = "") -> None:

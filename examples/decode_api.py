@@ -8,7 +8,7 @@ attached at start-up (lifespan) and closed at shutdown. Routes:
 - ``POST /v1/decode``: ``{"semantic_ids": [...], "global_ids": [32 ints]}`` -> ``audio/wav``
   (16 kHz mono int16, written by the standard library's ``wave``).
 - ``POST /v1/decode/stream``: the same body, plus an optional ``"preset"`` (``"default"``,
-  ``"exact"`` or ``"peers"``, see ``bicodec_shm.streaming``) -> ``audio/wav`` as a chunked
+  ``"exact"`` or ``"peers"``, see ``bicodec_shm.client.streaming``) -> ``audio/wav`` as a chunked
   response: a 44-byte WAV header whose two size fields are 0xFFFFFFFF ("length unknown", as
   streaming WAV writers do; ffmpeg/ffplay, sox and Python's ``wave`` read it), then PCM as each
   window of ``DecodeStream`` is decoded.
@@ -54,13 +54,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from bicodec_shm.cli import DEFAULT_NAME, wav_bytes
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.client.streaming import (
+    DEFAULT_MAX_WINDOW,
+    SAMPLE_RATE,
+    SEMANTIC_VOCAB,
+    DecodeStream,
+)
+from bicodec_shm.codecs.validation import as_token_array
+from bicodec_shm.deploy.processes import is_serving
 from bicodec_shm.errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
-from bicodec_shm.processes import is_serving
-from bicodec_shm.streaming import DEFAULT_MAX_WINDOW, SAMPLE_RATE, SEMANTIC_VOCAB, DecodeStream
-from bicodec_shm.transport import validate_name
-from bicodec_shm.validation import as_token_array
+from bicodec_shm.protocol.names import validate_name
+from bicodec_shm.tools.cli import DEFAULT_NAME
+from bicodec_shm.tools.decode_cmd import wav_bytes
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: our lines share its format
 

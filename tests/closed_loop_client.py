@@ -1,5 +1,6 @@
 """A closed-loop worker: sends one request, waits for its answer, sends the next, until its stdin
-closes. Prints "ready" once attached. Usage: closed_loop_client.py NAME TOKENS"""
+closes. Prints "ready" once attached, and starts sending when it reads a line "go" (so that a
+test can start every worker's load at once). Usage: closed_loop_client.py NAME TOKENS"""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import threading
 
 import numpy as np
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 
 
 def main(name: str, tokens: int) -> None:
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     rng = np.random.default_rng(tokens)
     with DecoderClient(name, connect_timeout=30) as client:
         print("ready", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return
+        threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
         while not stop.is_set():
             client.decode(rng.integers(0, 8192, tokens), rng.integers(0, 4096, 32))
 

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from bicodec_shm import processes
-from bicodec_shm.transport import leftover_objects, random_name, unlink_all
+from bicodec_shm.deploy import processes
+from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,7 +79,7 @@ def thread_server(shm_name: str):
     """Start a ``DecoderServer`` in a thread of the test process (tiny model by default)."""
     from support import reference_model
 
-    from bicodec_shm.server import DecoderServer
+    from bicodec_shm.server.server import DecoderServer
 
     started = []
 

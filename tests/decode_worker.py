@@ -13,7 +13,7 @@ import sys
 import numpy as np
 from support import client_worker_arguments, run_limited
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 
 
 def main() -> int:

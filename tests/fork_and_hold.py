@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 
 if __name__ == "__main__":
     client = DecoderClient(sys.argv[1], slots=4)

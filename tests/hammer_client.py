@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 
 
 def main(name: str, seed: int) -> None:

@@ -14,7 +14,8 @@ import signal
 import sys
 import time
 
-from bicodec_shm.transport import N_GLOBAL, NO_BELL, Segment, SlotState
+from bicodec_shm.protocol.layout import N_GLOBAL, NO_BELL, SlotState
+from bicodec_shm.protocol.segment import Segment
 
 
 def main(name: str, stage: str) -> None:

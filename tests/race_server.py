@@ -18,7 +18,7 @@ import torch
 
 from bicodec_shm.errors import ServerAlreadyRunningError
 from bicodec_shm.model import BiCodecDecoder
-from bicodec_shm.server import DecoderServer
+from bicodec_shm.server.server import DecoderServer
 
 if __name__ == "__main__":
     name, go = sys.argv[1], sys.argv[2]

@@ -11,7 +11,7 @@ import time
 import torch
 
 from bicodec_shm.model import BiCodecDecoder
-from bicodec_shm.server import DecoderServer
+from bicodec_shm.server.server import DecoderServer
 
 
 class SlowDecoder:

@@ -204,7 +204,7 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "a condition") -> Non
 def submitted_requests(segment) -> int:
     """Requests a server holds or can read now: BUSY slots, and READY slots whose ``req.I`` is
     posted (the client's last step of a submit). Read from the shared table and semaphores."""
-    from bicodec_shm.transport import BUSY, READY
+    from bicodec_shm.protocol.layout import BUSY, READY
 
     states = segment.slots["state"]
     ready = np.flatnonzero(states == READY).tolist()

@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from bicodec_shm.batching import plan_batch
+from bicodec_shm.server.batching import plan_batch
 
 
 def _plan(lengths, *, submitted=None, **policy):
@@ -80,8 +80,8 @@ def test_random_ready_sets_always_satisfy_the_invariants():
 def test_cuda_defaults_form_16_x_50_and_8_x_300_batches_that_are_buckets() -> None:
     """On a GPU the default budget lets 16 rows of 50 tokens form one batch (512 capped it at
     10, which a CUDA graph pads to 16 rows), and the server's grid has that batch's shape."""
-    from bicodec_shm.batching import DEFAULT_MAX_BATCH, default_max_batch_tokens
-    from bicodec_shm.model.buckets import Bucket, BucketGrid
+    from bicodec_shm.model.bicodec.buckets import Bucket, BucketGrid
+    from bicodec_shm.server.batching import DEFAULT_MAX_BATCH, default_max_batch_tokens
 
     budget = default_max_batch_tokens("cuda")
     assert default_max_batch_tokens("cpu") == 512

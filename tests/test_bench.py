@@ -1,4 +1,4 @@
-"""``bicodec_shm.bench`` (``bicodec-shm bench``): the quick run and a stand-in run end to end, the
+"""``bicodec_shm.tools.bench`` (``bicodec-shm bench``): the quick run and a stand-in run end to end, the
 sweep, cleanup on failure and on Ctrl-C, the stand-in and its lock, the ideal batcher, and the
 arithmetic of the tables from given numbers."""
 
@@ -18,12 +18,12 @@ import numpy as np
 import psutil
 import pytest
 
-from bicodec_shm import bench
-from bicodec_shm.bench import cli, config, orchestrate, sampling, standin, systems, workload
-from bicodec_shm.bench import report as reporting
-from bicodec_shm.bench import results as run_results
 from bicodec_shm.codecs import SNAC_24KHZ
-from bicodec_shm.transport import leftover_objects
+from bicodec_shm.protocol.names import leftover_objects
+from bicodec_shm.tools import bench
+from bicodec_shm.tools.bench import cli, config, orchestrate, sampling, standin, systems, workload
+from bicodec_shm.tools.bench import report as reporting
+from bicodec_shm.tools.bench import results as run_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,11 +191,11 @@ def test_a_failing_server_stops_the_run_and_cleans_up():
     assert _live_children() == []
 
 
-# `python -m bicodec_shm.bench` as a terminal's foreground job runs it: Ctrl-C at its default.
+# `python -m bicodec_shm.tools.bench` as a terminal's foreground job runs it: Ctrl-C at its default.
 # A test run started in the background (`pytest &`, as some CI runners do) has SIGINT ignored,
 # which the bench would inherit and, rightly, keep.
 _BENCH_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                      "runpy.run_module('bicodec_shm.bench', run_name='__main__', alter_sys=True)")
+                      "runpy.run_module('bicodec_shm.tools.bench', run_name='__main__', alter_sys=True)")
 
 
 @pytest.mark.timeout(300)
@@ -350,7 +350,7 @@ def test_the_modern_preset_plays_an_asynchronous_device_whose_batches_queue():
 
 
 def test_the_server_pipelines_an_asynchronous_stand_in_with_one_lane(thread_server, shm_name):
-    from bicodec_shm.client import DecoderClient
+    from bicodec_shm.client.decoder_client import DecoderClient
 
     decoder = standin.StandInDecoder(a_ms=2.0, b_ms=0.0, asynchronous=True)
 
@@ -645,9 +645,9 @@ def test_every_benchmark_system_loads_its_model_with_the_servers_cuda_math(monke
     cuDNN's TF32 default, which would make every ratio against them spuriously low."""
     import torch
 
-    from bicodec_shm.bench import decoding
     from bicodec_shm.model import BiCodecDecoder
     from bicodec_shm.model.devices import uses_exact_cuda_math
+    from bicodec_shm.tools.bench import decoding
 
     class Stub:
         def to(self, device):

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from bicodec_shm.transport import leftover_objects
+from bicodec_shm.protocol.names import leftover_objects
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_server_cpu.py")

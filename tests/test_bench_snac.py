@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from bicodec_shm import bench
-from bicodec_shm.adapters import codec_adapter
-from bicodec_shm.bench import config, decoding, workload
 from bicodec_shm.codecs import SNAC_24KHZ
 from bicodec_shm.model.snac import SNACDecoder
+from bicodec_shm.server.adapters import codec_adapter
+from bicodec_shm.tools import bench
+from bicodec_shm.tools.bench import config, decoding, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

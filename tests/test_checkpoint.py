@@ -12,12 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from bicodec_shm.errors import CheckpointError
 from bicodec_shm.model import BiCodecDecoder
-from bicodec_shm.model.checkpoint import (
-    FORMS,
-    convert_state_dict,
-    fold_weight_norm,
-    weight_norm_prefixes,
-)
+from bicodec_shm.model.weights import FORMS, convert_state_dict, fold_weight_norm, weight_norm_prefixes
 
 
 @pytest.fixture(scope="module")

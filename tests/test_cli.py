@@ -18,10 +18,11 @@ import pytest
 from conftest import wait_until_serving
 from support import seed_int16, single_decode
 
-from bicodec_shm import cli
-from bicodec_shm.cli import main
-from bicodec_shm.client import DecoderClient
-from bicodec_shm.transport import Segment, leftover_objects
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.protocol.names import leftover_objects
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.tools import cli, stats_cmd
+from bicodec_shm.tools.cli import main
 
 
 def test_serve_then_stats_json_then_sigterm(shm_name, capsys):
@@ -121,7 +122,63 @@ def test_stats_and_decode_of_a_wrong_name_list_the_served_names(thread_server, s
 
 def test_stats_of_a_missing_name_fails_clearly(shm_name, capsys):
     assert main(["stats", shm_name]) == 1
-    assert "no bicodec-shm segment" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no bicodec-shm segment" in err and f"bicodec-shm serve --name {shm_name}" in err
+
+
+def test_stats_is_a_health_probe_that_exits_0_only_while_a_server_serves(start_server, shm_name):
+    """As a Docker HEALTHCHECK or a Kubernetes exec probe runs it: a process, its exit status."""
+    probe = [sys.executable, "-m", "bicodec_shm", "stats", shm_name]
+    assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 1  # nothing yet
+    server = start_server()
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "(alive)" in done.stdout and done.stderr == ""
+    assert re.search(r"^attached clients\s+0$", done.stdout, re.M)
+    server.kill()  # SIGKILL: its objects stay behind, its locks do not
+    server.wait(30)
+    dead = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 1 and "(dead)" in dead.stdout
+    assert dead.stderr.count("\n") == 1 and f"`bicodec-shm cleanup {shm_name}`" in dead.stderr
+
+
+def test_stats_of_a_server_that_died_exits_1_and_says_what_to_do(shm_name, capsys):
+    Segment.create(shm_name, n_slots=2, max_tokens=10).close()  # a server that died: no locks
+    assert main(["stats", shm_name, "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["state"] == "dead"
+    assert "died" in err and "start a new server" in err and f"bicodec-shm cleanup {shm_name}" in err
+
+
+def test_version_names_the_package_version(capsys):
+    from bicodec_shm import __version__
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"bicodec-shm {__version__}"
+
+
+def test_every_option_of_every_command_has_help_that_shows_its_default():
+    import argparse
+
+    parser = cli._parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for command, sub in commands.choices.items():
+        lines = sub.format_help().splitlines()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            where = f"{command} {'/'.join(action.option_strings) or action.dest}"
+            if not action.help:
+                missing.append(f"{where}: no help")
+            elif action.default not in (None, False, argparse.SUPPRESS, []) and action.option_strings:
+                # This option's lines of --help: from its own line to the next option's.
+                start = next(i for i, line in enumerate(lines)
+                             if line.startswith(f"  {action.option_strings[0]}"))  # fmt: skip
+                end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  -")), len(lines))
+                if "default" not in " ".join(lines[start:end]):
+                    missing.append(f"{where}: its default {action.default!r} is not shown")
+    assert missing == []
 
 
 def test_cleanup_removes_a_dead_servers_leftovers(shm_name, capsys):
@@ -256,7 +313,7 @@ def test_stats_watch_prints_per_interval_rates(thread_server, shm_name, monkeypa
             for _ in range(n):
                 client.decode(list(range(50)), list(range(32)))
 
-    monkeypatch.setattr(cli, "_sleep", between_samples)
+    monkeypatch.setattr(stats_cmd, "_sleep", between_samples)
     with DecoderClient(shm_name) as client:  # a request before the watch: not in any interval
         client.decode(list(range(10)), list(range(32)))
     assert main(["stats", shm_name, "--watch", "0.5", "--json"]) == 130
@@ -272,8 +329,8 @@ def test_stats_watch_prints_per_interval_rates(thread_server, shm_name, monkeypa
     intervals = iter([2])
     assert main(["stats", shm_name, "--watch", "0.5"]) == 130
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("segment") and "requests" in lines[3]  # the totals table first
     header = next(i for i, line in enumerate(lines) if line.startswith("time"))
+    assert lines[0].startswith("segment") and any(line.startswith("requests") for line in lines[:header])
     assert lines[header].split()[:4] == ["time", "req/s", "batch/s", "audio"]
     (row,) = lines[header + 1 :]
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", row)
@@ -284,7 +341,7 @@ def test_stats_watch_piped_into_head_ends_quietly(thread_server, shm_name):
     thread_server()
     proc = subprocess.Popen([sys.executable, "-m", "bicodec_shm", "stats", shm_name, "--watch", "0.02"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    lines = [proc.stdout.readline() for _ in range(15)]  # what `head -n 15` reads, then it exits
+    lines = [proc.stdout.readline() for _ in range(25)]  # what `head -n 25` reads, then it exits
     proc.stdout.close()
     _, err = proc.communicate(timeout=30)
     assert lines[0].startswith("segment") and lines[-1].strip().endswith("alive")
@@ -344,7 +401,7 @@ def test_stats_watch_survives_a_server_restart(thread_server, shm_name, monkeypa
         else:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_sleep", between_samples)
+    monkeypatch.setattr(stats_cmd, "_sleep", between_samples)
     assert main(["stats", shm_name, "--watch", "1"]) == 130
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("time"))
@@ -362,14 +419,15 @@ def test_group_stats_say_down_when_no_member_serves():
     member = {"device": "cpu", "restarts": 3, "server_alive": False}
     stats = {"group": "tts", "supervisor_pid": 42, "supervisor_alive": True, "requests": 0,
              "members": {"tts.0": dict(member), "tts.1": dict(member)}}  # fmt: skip
-    head = cli.format_group_stats(stats).splitlines()[0]
+    head = stats_cmd.format_group_stats(stats).splitlines()[0]
     assert head.startswith("group tts: 2 members, DOWN: no member serves; supervisor pid 42 (alive)")
     stats["members"]["tts.1"] = {"device": "cpu", "restarts": 0, "server_alive": True, **_member_counters()}
-    assert "1 of 2 serving" in cli.format_group_stats(stats).splitlines()[0]
+    assert "1 of 2 serving" in stats_cmd.format_group_stats(stats).splitlines()[0]
 
 
 def _member_counters() -> dict:
-    from bicodec_shm.transport import HEADER_DT, stats_from_header
+    from bicodec_shm.protocol.header import stats_from_header
+    from bicodec_shm.protocol.layout import HEADER_DT
 
     return stats_from_header(np.zeros(1, HEADER_DT)[0])
 
@@ -377,8 +435,8 @@ def _member_counters() -> dict:
 def test_bench_names_where_it_writes(tmp_path):
     import argparse
 
-    from bicodec_shm.bench import add_arguments
-    from bicodec_shm.bench.cli import Plan
+    from bicodec_shm.tools.bench import add_arguments
+    from bicodec_shm.tools.bench.cli import Plan
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -392,7 +450,7 @@ def test_bench_names_where_it_writes(tmp_path):
 
 
 def test_max_batch_tokens_is_chosen_by_device_unless_given() -> None:
-    from bicodec_shm.cli import _parser
+    from bicodec_shm.tools.cli import _parser
 
     assert _parser().parse_args(["serve"]).max_batch_tokens == "auto"
     assert _parser().parse_args(["serve", "--max-batch-tokens", "none"]).max_batch_tokens is None

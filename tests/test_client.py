@@ -22,9 +22,9 @@ from support import (
     wait_submitted,
 )
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import BiCodecShmError, DecodeTimeoutError, ServerUnavailableError
-from bicodec_shm.transport import HOP, SlotState
+from bicodec_shm.protocol.layout import HOP, SlotState
 
 GLB = list(range(32))
 
@@ -275,7 +275,7 @@ def test_no_server_gives_a_clear_error(shm_name):
 
 def test_client_side_imports_no_torch():
     code = ("import sys, bicodec_shm; from bicodec_shm import DecoderClient, BiCodecBatchDecoder; "
-            "import bicodec_shm.cli, bicodec_shm.client, bicodec_shm.compat; "
+            "import bicodec_shm.tools.cli, bicodec_shm.client.decoder_client, bicodec_shm.integrations.batch_decoder; "
             "assert 'torch' not in sys.modules, 'torch was imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -333,7 +333,7 @@ def test_threads_of_one_handle_never_claim_the_same_slot(thread_server, shm_name
     decoder = GatedDecoder()
     server = thread_server(decoder, lanes=1, slots=8)
     # Every claimer starts its scan at the same slot: collisions are the rule, not luck.
-    monkeypatch.setattr("bicodec_shm.attachment.random.randrange", lambda n: 0)
+    monkeypatch.setattr("bicodec_shm.protocol.attachment.random.randrange", lambda n: 0)
     rng = np.random.default_rng(12)
     reqs = [(rng.integers(0, 8192, 9), rng.integers(0, 4096, 32)) for _ in range(8)]
     results = [None] * 8

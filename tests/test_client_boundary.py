@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from support import reference_model, seeded_request, single_decode
 
-from bicodec_shm.client import DecoderClient
-from bicodec_shm.group import GroupObject, member_names
-from bicodec_shm.server import DecoderServer
-from bicodec_shm.transport import leftover_objects, random_name, unlink_all
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.protocol.group import GroupObject, member_names
+from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
+from bicodec_shm.server.server import DecoderServer
 
 
 def _lone(req) -> np.ndarray:
@@ -116,7 +116,7 @@ def test_a_request_no_server_could_take_is_refused_before_anything_is_written(sh
 
 def test_the_client_s_longest_request_is_the_longest_slot_a_server_may_have(shm_name):
     from bicodec_shm.codecs.layout import MAX_FRAMES
-    from bicodec_shm.transport import Segment
+    from bicodec_shm.protocol.segment import Segment
 
     with pytest.raises(ValueError, match="max_tokens must be in 1..100000"):
         Segment.create(shm_name, n_slots=1, max_tokens=MAX_FRAMES + 1)
@@ -140,8 +140,8 @@ def _gone_once(monkeypatch, cls, method: str, *, after: bool = False) -> list[st
     away right after a submit). Returns a list that records the firing."""
     import inspect
 
-    from bicodec_shm.attachment import Gone
     from bicodec_shm.errors import ServerUnavailableError
+    from bicodec_shm.protocol.attachment import Gone
 
     original = getattr(cls, method)
     fired: list[str] = []
@@ -178,7 +178,7 @@ def _gone_once(monkeypatch, cls, method: str, *, after: bool = False) -> list[st
 def _regroup_once(monkeypatch, client) -> list[str]:
     """Another thread's view of the name changing between this call's read of the handle's
     group router and its pick: the router is retired (``_regroup``) under the call."""
-    from bicodec_shm.group import GroupRouter
+    from bicodec_shm.client.router import GroupRouter
 
     original = GroupRouter.pick
     fired: list[str] = []
@@ -204,7 +204,7 @@ _ENTRIES = {  # entry point -> whether it is asyncio
 
 def _dropin_over(client):
     """A started ``BiCodecBatchDecoder`` of ``client``'s server that sends through ``client``."""
-    from bicodec_shm.compat import BiCodecBatchDecoder
+    from bicodec_shm.integrations.batch_decoder import BiCodecBatchDecoder
 
     dropin = BiCodecBatchDecoder(client.name, request_timeout=30)
     dropin.start()
@@ -217,7 +217,7 @@ def _call(entry: str, client, dropin, req) -> np.ndarray:
     """``req``'s float32 audio through ``entry`` (int16 ones scaled back for comparison)."""
     import asyncio
 
-    from bicodec_shm.streaming import DecodeStream
+    from bicodec_shm.client.streaming import DecodeStream
 
     semantic, globals_ = req
     if entry == "decode":
@@ -256,7 +256,7 @@ def _cases():
 def test_a_server_lost_at_any_gone_site_is_resubmitted_through_every_public_entry(
     entry, site, handle, shm_name, group_name, monkeypatch
 ):
-    from bicodec_shm.attachment import Attachment
+    from bicodec_shm.protocol.attachment import Attachment
 
     name = group_name if handle == "group" else shm_name
     running = _Group(name, slots=2) if handle == "group" else None

@@ -17,15 +17,10 @@ import pytest
 from conftest import ROOT, serve_command, wait_until_serving
 from support import TESTS, seed_int16, single_decode, worker_command
 
-from bicodec_shm.transport import (
-    FREE,
-    Segment,
-    ServerState,
-    leftover_objects,
-    probe,
-    read_header,
-    stats_from_header,
-)
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.layout import FREE
+from bicodec_shm.protocol.names import ServerState, leftover_objects, probe
+from bicodec_shm.protocol.segment import Segment
 
 # A new user namespace (mapped to root in there) lets an unprivileged user make the PID namespace.
 UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
@@ -144,7 +139,7 @@ def test_a_worker_respawned_at_once_after_a_sigkill_attaches_and_decodes(start_s
     """Finding 13: the dead worker's slot is still owned when its replacement starts."""
     start_server("--slots", "1")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from bicodec_shm.client import DecoderClient; "
+        [sys.executable, "-c", "import sys, time; from bicodec_shm.client.decoder_client import DecoderClient; "
          f"c = DecoderClient({shm_name!r}); c.decode([1, 2, 3], list(range(32))); "
          "print('holding', flush=True); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,

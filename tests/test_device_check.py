@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 STEPS = ["env", "gpu_tests", "bench_model_float32", "bench_model_bfloat16", "bench_throughput",
-         "bench_snac", "bench_model_float16"]  # fmt: skip
+         "bench_snac", "bench_dac", "bench_model_float16"]  # fmt: skip
 
 no_gpu = pytest.mark.skipif(
     torch.cuda.is_available() or shutil.which("nvidia-smi") is not None,
@@ -158,12 +158,15 @@ def test_dry_run_runs_every_step_with_valid_flags(tmp_path) -> None:
         argv = commands[f"bench_model_{dtype}"]
         args = bench_model.build_parser().parse_args(argv[argv.index("benchmarks/bench_model.py") + 1 :])
         assert (args.device, args.dtype, args.cuda_graphs, args.grid) == ("cuda:0", (dtype,), "both", True)
-    from bicodec_shm.cli import _parser
+    from bicodec_shm.tools.cli import _parser
 
     bench = commands["bench_throughput"]
     args = _parser().parse_args(bench[bench.index("bicodec_shm") + 1 :])
     assert args.device == "cuda:0" and tuple(args.n) == (1, 4, 16, 32)
     assert args.per_process_max_n == 16 and args.memory_gib >= 100
+    dac = commands["bench_dac"]
+    args = _parser().parse_args(dac[dac.index("bicodec_shm") + 1 :])
+    assert (args.codec, args.device, tuple(args.n)) == ("dac-44khz", "cuda:0", (4, 16))
     tests = commands["gpu_tests"]
     assert tests[tests.index("-m") + 1 :][:4] == ["pytest", "-m", "gpu", "tests"]
     assert f"--junitxml={scratch}/gpu_tests.xml" in tests

@@ -11,11 +11,10 @@ import threading
 
 import numpy as np
 import pytest
-
 from support import reference_model, single_decode, wait_for
 
-from bicodec_shm.client import DecoderClient
-from bicodec_shm.transport import SlotState
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.protocol.layout import SlotState
 
 
 class RecordingDecoder:
@@ -51,8 +50,8 @@ def test_a_slot_confirmed_again_before_the_dispatcher_looked_in_between_keeps_on
     batch, publishes it, and its next look finds the same slot READY with its next request."""
     import torch
 
-    from bicodec_shm.lanes import Runner
-    from bicodec_shm.server import DecoderServer
+    from bicodec_shm.server.lanes import Runner
+    from bicodec_shm.server.server import DecoderServer
 
     model = reference_model()
     server = DecoderServer(model, shm_name, lanes=1, rejoin_ms=0.0)
@@ -82,7 +81,7 @@ def test_a_slot_confirmed_again_before_the_dispatcher_looked_in_between_keeps_on
 
 
 def _requests(slots, start_frames=True):
-    from bicodec_shm.slot_io import Requests
+    from bicodec_shm.protocol.slot_io import Requests
 
     n = len(slots)
     u32 = np.arange(n, dtype=np.uint32)
@@ -95,7 +94,7 @@ def _requests(slots, start_frames=True):
 def test_confirmed_chunks_concatenate_every_column_in_order():
     from dataclasses import fields
 
-    from bicodec_shm.slot_io import Requests
+    from bicodec_shm.protocol.slot_io import Requests
 
     parts = [_requests([4]), _requests([]), _requests([1, 7])]
     merged = Requests.concat(parts)

@@ -19,9 +19,12 @@ import pytest
 from conftest import ROOT, serve_command, wait_until_serving
 from support import TESTS, reference_model, single_decode
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import ServerUnavailableError
-from bicodec_shm.transport import Segment, SlotState, leftover_objects, read_header, stats_from_header
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.layout import SlotState
+from bicodec_shm.protocol.names import leftover_objects
+from bicodec_shm.protocol.segment import Segment
 
 
 def _script(name: str, *args: str) -> list[str]:

@@ -17,19 +17,14 @@ import torch
 from support import reference_model, single_decode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from bicodec_shm.cli import _parser, load_decoder
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.model import BiCodecDecoder
-from bicodec_shm.model.buckets import (
-    DEFAULT_LENGTHS,
-    Bucket,
-    BucketGrid,
-    PaddingCost,
-    padding_cost,
-)
+from bicodec_shm.model.bicodec.buckets import DEFAULT_LENGTHS, Bucket, BucketGrid, PaddingCost, padding_cost
+from bicodec_shm.model.bicodec.graphs import GraphedDecoder, StaticBucket, StaticTimeMask
 from bicodec_shm.model.devices import exact_cuda_math
-from bicodec_shm.model.graphs import GraphedDecoder, StaticBucket, StaticTimeMask
 from bicodec_shm.model.modules import TimeMask
+from bicodec_shm.tools.cli import _parser
+from bicodec_shm.tools.model_args import load_decoder
 
 HOP = 320
 SMALL = BucketGrid((1, 2, 4, 8), (8, 16, 32))
@@ -300,7 +295,7 @@ def test_cli_graph_options() -> None:
     ],
 )
 def test_cli_device_errors_are_one_line(device, needle, shm_name, capsys) -> None:
-    from bicodec_shm.cli import main
+    from bicodec_shm.tools.cli import main
 
     assert main(["serve", "--preset", "tiny", "--device", device, "--name", shm_name]) == 1
     err = capsys.readouterr().err
@@ -433,8 +428,8 @@ def test_cuda_eager_decode_of_host_inputs_queues_without_waiting(full_cuda) -> N
 def test_cuda_pipelined_lane_publishes_the_decodes_its_event_guards(full_cuda) -> None:
     """The real Runner on the GPU: a batch's host copy, read after its event, is the decode
     (the event is recorded on the model's stream, after the copy)."""
-    from bicodec_shm.lanes import Runner
-    from bicodec_shm.slot_io import Batch, Requests
+    from bicodec_shm.protocol.slot_io import Batch, Requests
+    from bicodec_shm.server.lanes import Runner
 
     runner = Runner(full_cuda, full_cuda.device)
     launched = []
@@ -464,8 +459,8 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 def test_cuda_a_runner_on_the_second_gpu_guards_its_copy_with_that_gpus_event() -> None:
     """With GPU 0 current (a thread that never set its device), the event must still be on
     cuda:1's stream: the host copy read after it equals the decode."""
-    from bicodec_shm.lanes import Runner
-    from bicodec_shm.slot_io import Batch, Requests
+    from bicodec_shm.protocol.slot_io import Batch, Requests
+    from bicodec_shm.server.lanes import Runner
 
     exact_cuda_math()
     model = BiCodecDecoder.from_config("spark-tts-0.5b", seed=0).to("cuda:1")

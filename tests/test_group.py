@@ -23,20 +23,14 @@ import pytest
 from conftest import ROOT, serve_command
 from support import assert_lone_int16, check_in_forked_child, join_within, seeded_request, worker_command
 
-from bicodec_shm import cli, processes
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.deploy import processes
+from bicodec_shm.deploy.supervisor import Supervisor, member_command, member_device, parse_devices
 from bicodec_shm.errors import ClientClosedError, ServerAlreadyRunningError, ServerUnavailableError
-from bicodec_shm.group import GroupObject, member_names, read_group
-from bicodec_shm.supervisor import Supervisor, member_command, member_device, parse_devices
-from bicodec_shm.transport import (
-    ServerState,
-    leftover_objects,
-    probe,
-    random_name,
-    read_header,
-    stats_from_header,
-    unlink_all,
-)
+from bicodec_shm.protocol.group import GroupObject, member_names, read_group
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.names import ServerState, leftover_objects, probe, random_name, unlink_all
+from bicodec_shm.tools import cli, stats_cmd
 
 
 @dataclass
@@ -199,7 +193,7 @@ def test_stats_watch_of_a_group_prints_one_line_per_member_and_interval(group, m
             join_within(threads, within=60)
             assert all(isinstance(r, np.ndarray) for r in outcomes.values())
 
-    monkeypatch.setattr(cli, "_sleep", between_samples)
+    monkeypatch.setattr(stats_cmd, "_sleep", between_samples)
     assert cli.main(["stats", group.name, "--watch", "0.5", "--json"]) == 130
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["member"] for line in lines] == list(group.members)

@@ -28,9 +28,10 @@ for _module in ("starlette", "uvicorn", "httpx"):
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from bicodec_shm import processes  # noqa: E402
-from bicodec_shm.client import DecoderClient  # noqa: E402
-from bicodec_shm.transport import leftover_objects, read_header, stats_from_header  # noqa: E402
+from bicodec_shm.client.decoder_client import DecoderClient  # noqa: E402
+from bicodec_shm.deploy import processes  # noqa: E402
+from bicodec_shm.protocol.header import read_header, stats_from_header  # noqa: E402
+from bicodec_shm.protocol.names import leftover_objects
 
 if ROOT not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the root on the path
     sys.path.insert(0, ROOT)
@@ -186,7 +187,7 @@ def serve_gated(name: str, gate: str) -> None:
     """Entry point of the gated server process."""
     import torch
 
-    from bicodec_shm.server import DecoderServer
+    from bicodec_shm.server.server import DecoderServer
 
     torch.set_num_threads(1)
     DecoderServer(GatedDecoder(gate), name).serve_forever()

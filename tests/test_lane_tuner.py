@@ -1,31 +1,36 @@
 """The lane count follows what is measured: a planted cost model decides, and ``lanes=`` wins.
 
-Two levels:
+Three levels:
 - the tuner alone, fed batches whose decode time a planted model gives each arrangement (a
   stepped clock, no threads): it picks the faster, keeps the incumbent within its margin, and follows a
   change of the traffic after its hold;
+- the tuner driving simulated lanes and closed-loop clients (a discrete-event simulation on the
+  same clock), with a cost model per thread count and rows: at light load (one client) it keeps
+  the arrangement that serves each request soonest, at heavy load the one with the most
+  throughput, for the same decoder;
 - a real server with a decoder whose batch cost is planted per lane thread count (it sleeps, so
   the machine's own speed does not enter), fed by closed-loop client processes: it settles on
-  the arrangement the model makes faster, whichever that is, and a fixed ``lanes=`` is never
-  changed.
+  the arrangement the model makes faster, whichever that is and whatever the load, and a fixed
+  ``lanes=`` is never changed.
 """
 
 from __future__ import annotations
 
+import heapq
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-
 from support import reap
 
-from bicodec_shm.lane_tuner import LaneTuner, LaneTuning
-from bicodec_shm.lanes import lane_threads
-from bicodec_shm.transport import stats_from_header
+from bicodec_shm.protocol.header import stats_from_header
+from bicodec_shm.server.lane_tuner import BatchMeter, BatchSample, BusyClock, LaneTuner, LaneTuning
+from bicodec_shm.server.lanes import lane_threads
 
 CLIENT = str(Path(__file__).with_name("closed_loop_client.py"))
 
@@ -39,15 +44,21 @@ class _Clock:
 
 
 def _drive(tuner: LaneTuner, clock: _Clock, machine_ms: dict[int, float], batches: int) -> None:
-    """Feed ``batches`` batches of 40 tokens, planned as the clock reads and decoded in
-    ``machine_ms[lanes] x lanes`` ms by a lane of the arrangement running then (so that each
-    arrangement costs ``machine_ms`` of machine time per batch: the planted model); 50 ms
-    between batches."""
-    for _ in range(batches):
+    """Heavy load: feed ``batches`` batches of 40 tokens, in rounds in which every lane of the
+    arrangement running then decodes one at the same time, each in ``machine_ms[lanes] x lanes``
+    ms, so that each batch's share of the busy time is ``machine_ms`` (the planted model),
+    planned when the round starts."""
+    fed = 0
+    while fed < batches:
         lanes = tuner.lanes
-        planned = clock.ns
-        clock.ns += 50_000_000
-        tuner.observe(planned, int(machine_ms[lanes] * lanes * 1e6), 40)
+        planned = start = clock.ns
+        end = start + int(machine_ms[lanes] * lanes * 1e6)
+        clock.ns = end
+        for _ in range(min(lanes, batches - fed)):
+            fed += 1
+            sample = BatchSample(planned, start, end, 40, busy_ns=(end - start) // lanes)
+            if tuner.observe(sample) is not None:
+                break  # the arrangement changed: the rest of the round is another's
 
 
 FAST = LaneTuning(min_batches=2, min_seconds=0.1, margin=0.05, hold_seconds=10.0)
@@ -100,8 +111,121 @@ def test_after_the_hold_it_explores_again_and_follows_the_traffic():
 def test_batches_planned_before_a_window_do_not_count_for_it():
     clock = _Clock()
     tuner = LaneTuner([1, 2], start=2, tuning=LaneTuning(min_batches=1, min_seconds=0.0), clock=clock)
-    assert tuner.observe(clock.ns - 1, 10**9, 40) is None  # planned before the first window began
+    # planned before the first window began
+    assert tuner.observe(BatchSample(clock.ns - 1, clock.ns, clock.ns + 10**9, 40)) is None
     assert tuner._window.batches == 0
+
+
+def test_decodes_that_run_at_once_share_the_busy_time_and_the_shares_sum_to_it():
+    clock = _Clock()
+    busy = BusyClock(clock)
+    ms = 1_000_000
+
+    def at(t_ms: float) -> BusyClock:
+        clock.ns = 1_000_000_000 + int(t_ms * ms)
+        return busy
+
+    a = at(0).begin()  # a alone for 10 ms, beside b for 10 ms, alone for 10 ms
+    b = at(10).begin()
+    shares = [at(20).end(b), at(30).end(a)]
+    assert shares == [5 * ms, 25 * ms]
+    c = at(40).begin()  # then, after an idle gap: c alone (the gap is nobody's)
+    shares.append(at(45).end(c))
+    assert shares[-1] == 5 * ms
+    d, e, f = at(50).begin(), busy.begin(), busy.begin()  # three at once for 30 ms, then d alone
+    shares += [at(80).end(e), busy.end(f), at(90).end(d)]
+    assert shares[-3:] == [10 * ms, 10 * ms, 20 * ms]
+    assert sum(shares) == (30 + 5 + 40) * ms  # the time at least one ran
+
+
+# -- a simulated server: lanes, closed-loop clients and the tuner on one clock -------------------
+
+# The CPU this project's benchmarks ran on: two 1-thread lanes decode 1.24x what one 2-thread
+# lane does (benchmarks/RESULTS.md), so two threads make one decode 2 / 1.24 = 1.61x faster.
+# Per padded token at one thread, with a small fixed cost: a 25-token request takes 103 ms on
+# one thread and 64 ms on two.
+RESULTS_CPU = dict(a_ms=3.0, b_ms=4.0, speedup={1: 1.0, 2: 1.61})
+
+
+def _planted_ms(model: dict, threads: int, rows: int, longest: int) -> float:
+    return (model["a_ms"] + model["b_ms"] * rows * longest) / model["speedup"][threads]
+
+
+def _simulate(tuner: LaneTuner, clock: _Clock, cost_ms: Callable[[int, int, int], float], *,
+              clients: int, tokens: int, requests: int, max_batch: int, cores: int = 2,
+              turnaround_ms: float = 0.5) -> list[float]:  # fmt: skip
+    """Serve ``requests`` requests of ``tokens`` tokens from ``clients`` closed-loop clients
+    (each sends its next ``turnaround_ms`` after its answer) with ``tuner.lanes`` lanes of
+    ``cores // lanes`` threads: a free lane that is not parked takes the oldest waiting requests
+    (up to ``max_batch``) and decodes them in ``cost_ms(threads, rows, tokens)`` ms; each decoded
+    batch goes to the tuner, measured as the server measures it (``BatchMeter``). Events of one
+    instant are taken together before any lane plans. Returns every request's latency (ms), in
+    order."""
+    ms = 1_000_000
+    meter = BatchMeter(clock)  # the server's: each batch's share of the time lanes were busy
+    events: list[tuple[int, int, str, object]] = []  # (time, order, kind, what)
+    order = iter(range(10**9))
+    for c in range(clients):
+        heapq.heappush(events, (clock.ns, next(order), "send", c))
+    waiting: list[tuple[int, int]] = []  # (client, sent at)
+    busy: set[int] = set()
+    latencies: list[float] = []
+    sent = 0
+    while events and len(latencies) < requests:
+        clock.ns = events[0][0]
+        while events and events[0][0] == clock.ns:
+            _, _, kind, what = heapq.heappop(events)
+            if kind == "send":
+                if sent < requests:
+                    sent += 1
+                    waiting.append((what, clock.ns))
+                continue
+            lane, batch, planned, key = what  # a batch is done
+            busy.discard(lane)
+            tuner.observe(meter.end(key, planned_ns=planned, tokens=tokens * len(batch), rows=len(batch),
+                                    padded_tokens=tokens * len(batch)))  # fmt: skip
+            for client, sent_at in batch:
+                latencies.append((clock.ns - sent_at) / ms)
+                heapq.heappush(events, (clock.ns + int(turnaround_ms * ms), next(order), "send", client))
+        for lane in range(tuner.lanes):  # the lanes not parked now, as the server's turns
+            if waiting and lane not in busy:
+                batch, waiting = waiting[:max_batch], waiting[max_batch:]
+                busy.add(lane)
+                took = int(cost_ms(cores // tuner.lanes, len(batch), tokens) * ms)
+                key = next(order)
+                meter.begin(key)
+                what = (lane, batch, clock.ns, key)
+                heapq.heappush(events, (clock.ns + took, next(order), "done", what))
+    return latencies
+
+
+@pytest.mark.parametrize("clients, expected", [(1, 1), (8, 2)], ids=["light-1-client", "heavy-8-clients"])
+def test_the_tuner_keeps_what_serves_the_load_it_sees(clients, expected):
+    """One decoder, two loads (batches of at most 4). With one client sending one request at a
+    time, two lanes take turns and each request waits a one-thread decode (103 ms): one
+    two-thread lane (64 ms) wins. With eight, both lanes are busy at once and two batches of 4 in
+    parallel deliver 1.24x what one lane's batches of 4 on two threads do: two lanes win."""
+    clock = _Clock()
+    tuner = LaneTuner([1, 2], start=2, tuning=LaneTuning(min_batches=4, min_seconds=1.0, hold_seconds=600),
+                      clock=clock)  # fmt: skip
+
+    def cost(threads: int, rows: int, longest: int) -> float:
+        return _planted_ms(RESULTS_CPU, threads, rows, longest)
+
+    latencies = _simulate(tuner, clock, cost, clients=clients, tokens=25, requests=400 * clients, max_batch=4)
+    chosen = [c for c in tuner.history if c.reason.startswith("chosen")]
+    assert chosen and chosen[0].lanes == expected, tuner.history
+    assert tuner.lanes == expected
+    settled = latencies[-50 * clients:]  # after the choice: what the traffic gets now
+    if clients == 1:
+        # one request at a time, each decoded on two threads: 64 ms (+ nothing: no queue)
+        assert sum(settled) / len(settled) == pytest.approx(cost(2, 1, 25), rel=0.01)
+        assert chosen[0].scores[2] / chosen[0].scores[1] == pytest.approx(1.61, rel=0.01)
+    else:
+        # both lanes decode a batch of 4 on one thread at once: 3 + 4 x 100 ms each round
+        assert max(settled) == pytest.approx(cost(1, 4, 25), rel=0.01)
+        # per token: one lane 250 ms / 100, two lanes 403 ms / 200
+        assert chosen[0].scores[1] / chosen[0].scores[2] == pytest.approx(1.24, rel=0.01)
 
 
 def test_bad_tuner_settings_are_refused():
@@ -145,10 +269,15 @@ def two_cores():
 
 
 def _closed_loop_clients(name: str, n: int, tokens: int) -> list[subprocess.Popen]:
+    """``n`` closed-loop client processes, started together once all are attached: the tuner's
+    windows then measure the load of ``n`` clients, not the ramp of their start-up."""
     procs = [subprocess.Popen([sys.executable, CLIENT, name, str(tokens)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for _ in range(n)]  # fmt: skip
     for p in procs:
         assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     return procs
 
 
@@ -164,16 +293,22 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 # help, and the per-token cost dominates -> two lanes' batches of 2 in parallel serve ~1.8x.
 WIDE_WINS = dict(a_ms=40.0, b_ms=0.0, speedup={1: 1.0, 2: 2.0})
 NARROW_WINS = dict(a_ms=5.0, b_ms=0.5, speedup={1: 1.0, 2: 1.0})
+# This project's CPU (RESULTS_CPU above), faster: a 20-token request takes 42 ms on one thread,
+# 26 ms on two. With one client sending one request at a time the two lanes take turns: one
+# lane of two threads serves each request 1.61x sooner.
+LIGHT_LOAD = dict(a_ms=2.0, b_ms=2.0, speedup={1: 1.0, 2: 1.61})
 
 
-@pytest.mark.parametrize("model, expected", [(WIDE_WINS, 1), (NARROW_WINS, 2)], ids=["wide-wins", "narrow-wins"])
+@pytest.mark.parametrize("model, clients, expected",
+                         [(WIDE_WINS, 4, 1), (NARROW_WINS, 4, 2), (LIGHT_LOAD, 1, 1)],
+                         ids=["wide-wins", "narrow-wins", "one-client-wide-wins"])  # fmt: skip
 def test_the_server_settles_on_the_arrangement_the_planted_model_makes_faster(
-        model, expected, thread_server, shm_name, two_cores):  # fmt: skip
+        model, clients, expected, thread_server, shm_name, two_cores):  # fmt: skip
     decoder = PlantedCostDecoder(**model)
     server = thread_server(decoder, lane_tuning=LaneTuning(min_batches=6, min_seconds=0.3,
                                                            hold_seconds=600.0))  # fmt: skip
     assert server.lanes == 2 and server.max_lanes == 2
-    procs = _closed_loop_clients(shm_name, 4, tokens=20)
+    procs = _closed_loop_clients(shm_name, clients, tokens=20)
     try:
         deadline = time.monotonic() + 60
         while not any(c.reason.startswith("chosen") for c in server.lane_choices):

@@ -19,26 +19,15 @@ from conftest import ROOT
 from support import SteppedDecoder, listening_port, reference_model, wait_for
 
 import bicodec_shm
-from bicodec_shm.cli import main
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import MissingExtraError
-from bicodec_shm.metrics import batch_size_histogram, metric_families
-from bicodec_shm.server import DecoderServer
-from bicodec_shm.transport import (
-    FREE,
-    HEADER_DT,
-    HIST_BINS,
-    NO_BELL,
-    TIME_BUCKETS,
-    Segment,
-    ServerState,
-    SlotState,
-    Status,
-    leftover_objects,
-    probe,
-    read_header,
-    stats_from_header,
-)
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.layout import FREE, HEADER_DT, HIST_BINS, NO_BELL, TIME_BUCKETS, SlotState, Status
+from bicodec_shm.protocol.names import ServerState, leftover_objects, probe
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.server.metrics import batch_size_histogram, metric_families
+from bicodec_shm.server.server import DecoderServer
+from bicodec_shm.tools.cli import main
 
 NEEDS_EXTRA = 'the metrics tests need the [metrics] extra: pip install -e ".[metrics]"'
 # Counters of a scrape and the `stats_from_header` key each one must equal.
@@ -154,7 +143,7 @@ class _RawSlot:
 def _client_that_dies(name: str) -> int:
     """A client process decodes one 20-token request and is SIGKILLed holding its slot."""
     code = (
-        "import os, signal; from bicodec_shm.client import DecoderClient; "
+        "import os, signal; from bicodec_shm.client.decoder_client import DecoderClient; "
         f"c = DecoderClient({name!r}); c.decode([1] * 20, [0] * 32); "
         "os.kill(os.getpid(), signal.SIGKILL)"
     )
@@ -268,7 +257,10 @@ def test_scrapes_during_and_after_load_match_the_requests_and_stats(start_server
         raw.close()
     decoded = len(done) + 1
     # Nothing moved between the scrape and `stats`: the same header, read twice.
-    assert stats == json.loads(json.dumps({**stats_from_header(header), "server_alive": True}))
+    slots = {k: stats.pop(k) for k in ("owned", "ready", "busy", "attached_clients")}
+    assert stats == json.loads(json.dumps({**stats_from_header(header), "server_alive": True, "state": "serving"}))
+    assert slots["owned"] == _get(after, "bicodec_shm_slots_owned")
+    assert slots["attached_clients"] == _get(after, "bicodec_shm_attached_clients")
     assert _get(after, "bicodec_shm_requests_total") == stats["requests"] == decoded + len(BAD_REQUESTS)
     for status in Status:
         if status != Status.OK:
@@ -440,7 +432,7 @@ def test_unknown_status_codes_are_exported_not_dropped(parser):
 
 
 def test_importing_the_package_does_not_import_prometheus_client():
-    out = subprocess.run([sys.executable, "-c", "import sys, bicodec_shm.metrics, bicodec_shm.cli, "
-                          "bicodec_shm.server; print('prometheus_client' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, bicodec_shm.server.metrics, bicodec_shm.tools.cli, "
+                          "bicodec_shm.server.server; print('prometheus_client' in sys.modules)"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert out.stdout.strip() == "False", out.stderr

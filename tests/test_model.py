@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from bicodec_shm.model import BiCodecConfig, BiCodecDecoder
-from bicodec_shm.model import decoder as decoder_module
-from bicodec_shm.model.config import PRESETS
+from bicodec_shm.model.bicodec import decoder as decoder_module
+from bicodec_shm.model.bicodec.config import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 HOP = 320

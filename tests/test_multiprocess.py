@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from support import seed_int16, single_decode, worker_command
 
-from bicodec_shm.transport import read_header, stats_from_header
+from bicodec_shm.protocol.header import read_header, stats_from_header
 
 
 def _load(path: str):

@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from bicodec_shm.cli import _parser, load_decoder
 from bicodec_shm.model import BiCodecDecoder
-from bicodec_shm.model.modules import AdaLayerNorm, Snake1d
 from bicodec_shm.model.devices import exact_cuda_math, uses_exact_cuda_math
+from bicodec_shm.model.modules import AdaLayerNorm, Snake1d
 from bicodec_shm.model.precision import DTYPES, apply_dtype, resolve_dtype, snr_db
+from bicodec_shm.tools.cli import _parser
+from bicodec_shm.tools.model_args import load_decoder
 
 HOP = 320
 # Measured on CPU (torch 2.13), tiny model, T = 40-50, B = 2: bfloat16 29.5-29.7 dB, float16

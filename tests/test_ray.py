@@ -1,4 +1,4 @@
-"""bicodec_shm.ray and examples/ray_serve on a real two-node Ray cluster on this machine.
+"""bicodec_shm.deploy.ray and examples/ray_serve on a real two-node Ray cluster on this machine.
 
 Two raylets (``ray start --head`` and ``ray start --address``), each with its own resources and
 node id, so each gets its own decoder (``--preset tiny``) under ``PREFIX-NODEID``; 2 Serve
@@ -40,10 +40,11 @@ pytest.importorskip("httpx", reason='the Ray test needs the [examples] extra: pi
 
 import psutil  # noqa: E402
 
-from bicodec_shm.processes import is_serving  # noqa: E402
-from bicodec_shm.streaming import DecodeStream  # noqa: E402
-from bicodec_shm.transport import leftover_objects, random_name, read_header, stats_from_header  # noqa: E402
-from bicodec_shm.transport import unlink_all as unlink_segment  # noqa: E402
+from bicodec_shm.client.streaming import DecodeStream  # noqa: E402
+from bicodec_shm.deploy.processes import is_serving  # noqa: E402
+from bicodec_shm.protocol.header import read_header, stats_from_header  # noqa: E402
+from bicodec_shm.protocol.names import leftover_objects, random_name
+from bicodec_shm.protocol.names import unlink_all as unlink_segment  # noqa: E402
 
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 import pytest
 from conftest import ROOT
 
-from bicodec_shm import processes
-from bicodec_shm.cli import DEFAULT_NAME
-from bicodec_shm.transport import leftover_objects, random_name, unlink_all
+from bicodec_shm.deploy import processes
+from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
+from bicodec_shm.tools.cli import DEFAULT_NAME
 
 DOCUMENTS = ("README.md",)
 BLOCK_TIMEOUT = 120

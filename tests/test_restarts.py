@@ -30,24 +30,17 @@ from support import (
 )
 
 from bicodec_shm import BiCodecBatchDecoder
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import (
     ClientClosedError,
     DecodeTimeoutError,
     ServerUnavailableError,
 )
-from bicodec_shm.server import DecoderServer
-from bicodec_shm.transport import (
-    Segment,
-    ServerState,
-    SlotState,
-    leftover_objects,
-    probe,
-    random_name,
-    read_header,
-    stats_from_header,
-    unlink_all,
-)
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.layout import SlotState
+from bicodec_shm.protocol.names import ServerState, leftover_objects, probe, random_name, unlink_all
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.server.server import DecoderServer
 
 GLB = np.arange(32) * 7
 

@@ -29,8 +29,7 @@ from support import (
     wait_submitted,
 )
 
-from bicodec_shm import transport
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import (
     BiCodecShmError,
     ClientClosedError,
@@ -38,20 +37,12 @@ from bicodec_shm.errors import (
     ServerAlreadyRunningError,
     ServerUnavailableError,
 )
-from bicodec_shm.group import totals
-from bicodec_shm.server import DecoderServer
-from bicodec_shm.transport import (
-    FREE_BELL_CAP,
-    Phase,
-    READY,
-    Segment,
-    SlotState,
-    leftover_objects,
-    random_name,
-    remove_dead,
-    reserve_name,
-    unlink_all,
-)
+from bicodec_shm.protocol import layout, locks, names, segment
+from bicodec_shm.protocol.group import totals
+from bicodec_shm.protocol.layout import FREE_BELL_CAP, READY, Phase, SlotState
+from bicodec_shm.protocol.names import leftover_objects, random_name, remove_dead, reserve_name, unlink_all
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.server.server import DecoderServer
 
 
 def _lone(req) -> np.ndarray:
@@ -188,7 +179,7 @@ def test_2_a_garbage_submit_time_fails_nobody_and_is_clamped(shm_name):
 
 
 def test_s6_batch_order_and_queue_times_never_trust_a_client_written_time():
-    from bicodec_shm.slot_io import TRUSTED_QUEUE_NS, check_headers
+    from bicodec_shm.protocol.slot_io import TRUSTED_QUEUE_NS, check_headers
 
     name = random_name("bcshm-test")
     seg = Segment.create(name, n_slots=3, max_tokens=10)
@@ -197,7 +188,7 @@ def test_s6_batch_order_and_queue_times_never_trust_a_client_written_time():
         for slot, t in ((0, 0), (1, 2**64 - 1), (2, time.monotonic_ns())):
             seg.tokens[slot, :2] = 5
             seg.request_id[slot] = (7, int(seg.slots["generation"][slot]), 1)
-            for field, value in dict(n_tokens=2, n_global=32, dtype=0, notify=transport.NO_BELL,
+            for field, value in dict(n_tokens=2, n_global=32, dtype=0, notify=layout.NO_BELL,
                                      t_submit_ns=t, state=READY).items():  # fmt: skip
                 seg.slots[field][slot] = value
         seen = np.full(3, time.monotonic_ns(), np.int64)
@@ -328,7 +319,7 @@ def test_6_serve_started_while_the_old_server_finishes_its_batch_takes_over(shm_
         decoder.gate.set()
         old_thread.join(20)
         if new is not None:
-            from bicodec_shm import processes
+            from bicodec_shm.deploy import processes
 
             processes.stop_server(new, timeout=30)
         log.close()
@@ -351,8 +342,8 @@ def test_6_a_successor_is_still_refused_by_a_server_that_is_not_stopping(shm_nam
 
 @pytest.mark.slow
 def test_7_8_a_group_handle_follows_the_name_to_a_single_server_with_other_limits(shm_name, tmp_path):
-    from bicodec_shm import processes
-    from bicodec_shm.group import member_names
+    from bicodec_shm.deploy import processes
+    from bicodec_shm.protocol.group import member_names
 
     log = open(tmp_path / "serve.log", "ab")
     group = subprocess.Popen(serve_command(shm_name, "--device", "cpu,cpu", "--slots", "4",
@@ -417,7 +408,7 @@ def test_9_a_fork_during_attach_never_copies_a_lock_descriptor_into_the_child(sh
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
             if pid == 0:
-                os._exit(1 if _fds_holding_ofd_locks() or transport._lock_fds else 0)
+                os._exit(1 if _fds_holding_ofd_locks() or locks._lock_fds else 0)
             _, status = os.waitpid(pid, 0)
             assert os.waitstatus_to_exitcode(status) == 0, "the child holds a lock descriptor"
     finally:
@@ -521,7 +512,7 @@ def test_13_a_semaphore_name_taken_by_someone_else_is_refused_clearly_and_ours_c
     foreign = posix_ipc.Semaphore(f"/{shm_name}.done.1", posix_ipc.O_CREX, 0o600, 0)
     try:
         # What /dev/shm's sticky bit does for another user's object: our unlink cannot remove it.
-        monkeypatch.setattr(transport, "_unlink_semaphores", lambda name: 0)
+        monkeypatch.setattr(segment, "_unlink_semaphores", lambda name: 0)
         with pytest.raises(SegmentError, match=rf"sem\.{shm_name}\.done\.1 .*already exists"):
             Segment.create(shm_name, n_slots=2, max_tokens=10)
         assert leftover_objects(shm_name) == [f"sem.{shm_name}.done.1"]  # only the foreign one
@@ -553,7 +544,7 @@ def test_14_a_request_sent_while_its_answer_is_being_rung_is_not_skipped(shm_nam
     at once and the other lane (the dispatcher) scans for it, all before the lane returns from
     ringing. The slot must no longer count as held by then, or the request waits for the
     reaper's tick (5 s here)."""
-    import bicodec_shm.server as server_module
+    import bicodec_shm.server.server as server_module
 
     real_ring = server_module.ring
     reads = []  # the server's ReadLog, once it exists
@@ -602,7 +593,7 @@ def test_s2_cleanup_never_removes_a_name_someone_owns(shm_name):
             remove_dead(shm_name)
         assert leftover_objects(shm_name) == [shm_name]
     finally:
-        transport.release_name(fd, shm_name)
+        names.release_name(fd, shm_name)
     assert leftover_objects(shm_name) == []
 
 
@@ -621,7 +612,7 @@ def test_s7_an_object_of_zeros_is_not_taken_over(shm_name):
 def test_s3_close_during_calls_that_are_attaching_leaves_no_attachment_behind(shm_name):
     server = DecoderServer(reference_model(), shm_name, slots=8)
     thread = _start(server)
-    baseline = len(transport._lock_fds)  # the server's own
+    baseline = len(locks._lock_fds)  # the server's own
     try:
         for _ in range(10):
             client = DecoderClient(shm_name, slots=4, timeout=10)
@@ -634,7 +625,7 @@ def test_s3_close_during_calls_that_are_attaching_leaves_no_attachment_behind(sh
             for t in callers:
                 t.join(10)
             assert client._att is None
-            wait_for(lambda: len(transport._lock_fds) == baseline, 5)  # every attachment closed
+            wait_for(lambda: len(locks._lock_fds) == baseline, 5)  # every attachment closed
     finally:
         _stop(server, thread)
 

@@ -19,9 +19,9 @@ import warnings
 import posix_ipc
 from support import seeded_request
 
-from bicodec_shm.client import DecoderClient
-from bicodec_shm.semwait import Waiter
-from bicodec_shm.transport import random_name
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.protocol.names import random_name
+from bicodec_shm.protocol.semwait import Waiter
 
 CHILD_EXIT_WITHIN = 10.0  # seconds; a child that runs the at-fork hooks and exits needs ms
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from bicodec_shm import served
-from bicodec_shm.served import describe_served, served_names
-from bicodec_shm.transport import Segment, random_name, unlink_all
+from bicodec_shm.protocol import served
+from bicodec_shm.protocol.names import random_name, unlink_all
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.protocol.served import describe_served, served_names
 
 
 def test_a_live_server_is_listed_and_a_segment_not_yet_served_is_not(thread_server, shm_name):

@@ -14,19 +14,13 @@ import torch
 from conftest import serve_command, wait_until_serving
 from support import ReadLog, reference_model, seed_int16, single_decode, wait_submitted
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import DecodeError, ServerAlreadyRunningError
-from bicodec_shm.server import DecoderServer
-from bicodec_shm.transport import (
-    HOP,
-    NO_BELL,
-    Segment,
-    SlotState,
-    Status,
-    leftover_objects,
-    read_header,
-    stats_from_header,
-)
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.layout import HOP, NO_BELL, SlotState, Status
+from bicodec_shm.protocol.names import leftover_objects
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.server.server import DecoderServer
 
 POISON = 4242  # a semantic id that makes PoisonDecoder raise
 
@@ -207,7 +201,7 @@ def test_a_corrupt_slot_fails_alone_and_names_the_problem(thread_server, shm_nam
 def test_dead_clients_slots_are_reclaimed(thread_server, shm_name):
     server = thread_server(reap_interval=0.1)
     code = (
-        "import os, signal, threading; from bicodec_shm.client import DecoderClient; "
+        "import os, signal, threading; from bicodec_shm.client.decoder_client import DecoderClient; "
         f"c = DecoderClient({shm_name!r}, slots=3); "
         "ts = [threading.Thread(target=c.decode, args=([1] * 40, [0] * 32)) for _ in range(3)]; "
         "[t.start() for t in ts]; [t.join() for t in ts]; c.decode([1], [0] * 32); "
@@ -215,7 +209,7 @@ def test_dead_clients_slots_are_reclaimed(thread_server, shm_name):
         "held = [c._att.take_slot(float('inf'))[0] for _ in range(2)]; "
         # The reaper may have taken back the handle's warm slot before these claims (its
         # quiescent handle let it go): count from here.
-        "from bicodec_shm.transport import stats_from_header; "
+        "from bicodec_shm.protocol.header import stats_from_header; "
         "before = stats_from_header(c._att.segment.header)['reclaimed']; "
         "print(*held, *(int(c._att.segment.slots['generation'][s]) for s in held), before, flush=True); "
         "os.kill(os.getpid(), signal.SIGKILL)"
@@ -500,7 +494,7 @@ def test_reaping_never_touches_a_slot_a_lane_holds(thread_server, shm_name):
     decoder = GatedDecoder()
     server = thread_server(decoder, lanes=2, reap_interval=0.05, min_fill=0.0)
     code = (
-        "import threading, time; from bicodec_shm.client import DecoderClient; "
+        "import threading, time; from bicodec_shm.client.decoder_client import DecoderClient; "
         f"c = DecoderClient({shm_name!r}, slots=4); "
         "[threading.Thread(target=c.decode, args=([3] * 30, [1] * 32), daemon=True).start() "
         "for _ in range(4)]; time.sleep(60)"

@@ -19,9 +19,9 @@ import time
 import pytest
 from conftest import ROOT
 
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import BiCodecShmError
-from bicodec_shm.transport import ServerState, leftover_objects, probe
+from bicodec_shm.protocol.names import ServerState, leftover_objects, probe
 
 PROMPT = 20.0  # seconds to exit after the signal (it takes 1-3 s on a loaded 2-core machine)
 _LAUNCH = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.{}); "
@@ -158,7 +158,7 @@ def test_a_ctrl_c_while_the_server_announces_itself_unlinks_what_it_made(shm_nam
     start-up line is logged) leaves nothing behind."""
     from support import reference_model
 
-    from bicodec_shm import server as server_module
+    from bicodec_shm.server import server as server_module
 
     def interrupted(message, *args, **kwargs):
         if message.startswith("serving %r"):
@@ -171,7 +171,7 @@ def test_a_ctrl_c_while_the_server_announces_itself_unlinks_what_it_made(shm_nam
 
 def test_the_start_up_s_signal_handling_is_restored_afterwards():
     """``StartupSignals`` leaves the process's handlers as it found them."""
-    from bicodec_shm.processes import StartupSignals
+    from bicodec_shm.server.signals import StartupSignals
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with StartupSignals():
@@ -183,9 +183,9 @@ def test_the_start_up_s_signal_handling_is_restored_afterwards():
 def test_an_interrupt_between_creating_the_name_and_reserving_it_leaves_nothing(shm_name, monkeypatch):
     """A Ctrl-C (or a start-up's SIGTERM, raised by its handler) that lands right after the
     name's file was created, before ``reserve_name`` returned it: no file, no descriptor."""
-    from bicodec_shm import transport
+    from bicodec_shm.protocol import locks, names
 
-    real = transport.try_lock
+    real = names.try_lock
     calls = []
 
     def interrupted(fd, byte):
@@ -194,9 +194,9 @@ def test_an_interrupt_between_creating_the_name_and_reserving_it_leaves_nothing(
             raise KeyboardInterrupt
         return real(fd, byte)
 
-    monkeypatch.setattr(transport, "try_lock", interrupted)
-    before = set(transport._lock_fds)
+    monkeypatch.setattr(names, "try_lock", interrupted)
+    before = set(locks._lock_fds)
     with pytest.raises(KeyboardInterrupt):
-        transport.reserve_name(shm_name)
+        names.reserve_name(shm_name)
     assert calls and leftover_objects(shm_name) == []
-    assert set(transport._lock_fds) == before
+    assert set(locks._lock_fds) == before

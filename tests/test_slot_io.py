@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from bicodec_shm.slot_io import check_headers, gather, publish
+from bicodec_shm.protocol.slot_io import check_headers, gather, publish
 
 
 def _seen(slots: np.ndarray) -> np.ndarray:
@@ -18,7 +18,8 @@ def _seen(slots: np.ndarray) -> np.ndarray:
 
 _SEEN_NS = time.monotonic_ns() + 3600 * 10**9  # after every submit of the session
 
-from bicodec_shm.transport import BUSY, DONE, HOP, NO_BELL, READY, Segment, Status
+from bicodec_shm.protocol.layout import BUSY, DONE, HOP, NO_BELL, READY, Status
+from bicodec_shm.protocol.segment import Segment
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bicodec_shm.errors import CheckpointError
-from bicodec_shm.model import checkpoint as shared
+from bicodec_shm.model import weights as shared
 from bicodec_shm.model.snac import DEFAULT_NOISE_SEED, SNACConfig, SNACDecoder
 from bicodec_shm.model.snac.config import PRESETS
 from bicodec_shm.model.snac.noise import NOISE_CHUNK, batch_noise, row_noise

@@ -16,11 +16,14 @@ import pytest
 import torch
 from support import seed_int16
 
-from bicodec_shm.cli import default_max_frames, resolve_preset
-from bicodec_shm.client import DecoderClient
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.codecs import BICODEC, SNAC_24KHZ, SNAC_32KHZ, codes_to_orpheus, orpheus_to_codes
+from bicodec_shm.codecs.layout import default_max_frames
 from bicodec_shm.model.snac import SNACDecoder
-from bicodec_shm.transport import FREE, LAYOUT_VERSION, Layout, Segment, read_header, stats_from_header
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.layout import FREE, LAYOUT_VERSION, Layout
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.tools.model_args import resolve_preset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SNAC_WORKER = os.path.join(HERE, "snac_worker.py")
@@ -50,7 +53,7 @@ def snac_server(thread_server, tiny24):
 
 
 def test_the_header_names_the_codec_and_sizes_the_areas_by_its_layout(shm_name):
-    assert LAYOUT_VERSION == 5
+    assert LAYOUT_VERSION == 6
     seg = Segment.create(shm_name, n_slots=3, max_tokens=10, codec=SNAC_32KHZ)
     try:
         seg.start_serving()
@@ -233,8 +236,9 @@ def test_full_size_snac_24khz_batches_mixed_lengths_exactly_through_the_server(s
 
 
 def test_the_prometheus_server_info_names_the_codec():
-    from bicodec_shm.metrics import metric_families
-    from bicodec_shm.transport import HEADER_DT, write_codec
+    from bicodec_shm.protocol.header import write_codec
+    from bicodec_shm.protocol.layout import HEADER_DT
+    from bicodec_shm.server.metrics import metric_families
 
     header = np.zeros((), HEADER_DT)
     write_codec(header, SNAC_24KHZ)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from bicodec_shm.client.streaming import CODEC_PRESETS, PRESETS, DecodeStream, StreamSettings
 from bicodec_shm.codecs import orpheus_to_codes
 from bicodec_shm.codecs.orpheus import codes_to_orpheus
 from bicodec_shm.model.snac import SNACDecoder
-from bicodec_shm.streaming import CODEC_PRESETS, PRESETS, DecodeStream, StreamSettings
 
 TOL = 1e-5
 
@@ -124,7 +124,7 @@ def test_streams_through_a_snac_server_process_equal_the_full_lone_decode(start_
     `default` equals the same stream decoded in this process, at its SNR floor."""
     from support import seed_int16
 
-    from bicodec_shm.client import DecoderClient
+    from bicodec_shm.client.decoder_client import DecoderClient
 
     start_server("--codec", "snac-24khz", "--slots", "8", "--max-wait-ms", "20", "--min-fill", "0")
     model = SNACDecoder.from_config("tiny-24khz", seed=0)  # the server's model

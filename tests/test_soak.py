@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from bicodec_shm.cli import main
+from bicodec_shm.tools.cli import main
 
 
 def _chaos(tmp_path, capsys, seed: int, *extra: str) -> dict:

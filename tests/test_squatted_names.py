@@ -21,7 +21,7 @@ import posix_ipc
 import pytest
 from conftest import ROOT
 
-from bicodec_shm.transport import leftover_objects, random_name, unlink_all
+from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
 
 UID = 1000  # the ordinary user the server runs as (no account needed: setpriv takes numbers)
 SETPRIV = shutil.which("setpriv")
@@ -39,7 +39,7 @@ def _unprivileged_python(home: str) -> tuple[list[str], dict[str, str]] | None:
     for directory, _, _ in os.walk(src):
         os.chmod(directory, 0o755)
     path = os.pathsep.join([src, *site.getsitepackages()])
-    check = f"import bicodec_shm.cli, torch; assert bicodec_shm.__file__.startswith({src!r})"
+    check = f"import bicodec_shm.tools.cli, torch; assert bicodec_shm.__file__.startswith({src!r})"
     for python in dict.fromkeys([sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3"]):
         if not os.path.exists(python):
             continue
@@ -90,7 +90,7 @@ def _squat(name: str) -> None:
 
 _DIE_AFTER_CREATING = """
 import os, signal, sys
-from bicodec_shm.transport import Segment
+from bicodec_shm.protocol.segment import Segment
 Segment.create(sys.argv[1], n_slots=2, max_tokens=10)
 os.kill(os.getpid(), signal.SIGKILL)
 """

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from support import reference_model, seed_int16, single_decode
 
-from bicodec_shm.client import DecoderClient
-from bicodec_shm.streaming import (
+from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.client.streaming import (
     HOP,
     PRESETS,
     RECEPTIVE_FIELD,

@@ -19,7 +19,8 @@ from bicodec_shm.errors import (
     ServerUnavailableError,
     SharedMemoryFullError,
 )
-from bicodec_shm.transport import (
+from bicodec_shm.protocol.header import read_header, stats_from_header
+from bicodec_shm.protocol.layout import (
     HEADER_DT,
     HEADER_SIZE,
     HOP,
@@ -27,17 +28,17 @@ from bicodec_shm.transport import (
     MAGIC,
     SLOT_DT,
     Layout,
-    Segment,
-    ServerState,
     SlotState,
+)
+from bicodec_shm.protocol.names import (
+    ServerState,
     leftover_objects,
     probe,
-    read_header,
     semaphore_names,
-    stats_from_header,
     unlink_all,
     validate_name,
 )
+from bicodec_shm.protocol.segment import Segment
 
 
 def _serve(name: str, **kwargs) -> Segment:
@@ -152,7 +153,7 @@ def test_a_stopping_server_is_replaced_as_soon_as_it_is_gone(shm_name):
     seg = _serve(shm_name, n_slots=2, max_tokens=10)
     seg.stop_serving()
     child = _python(f"""
-        from bicodec_shm.transport import Segment
+        from bicodec_shm.protocol.segment import Segment
         seg = Segment.create({shm_name!r}, n_slots=2, max_tokens=10, wait=20)
         seg.start_serving()
         print("serving", flush=True)
@@ -179,7 +180,7 @@ def test_a_stopping_server_is_replaced_as_soon_as_it_is_gone(shm_name):
 def test_a_dead_servers_leftovers_are_taken_over(shm_name):
     child = _python(f"""
         import os, signal
-        from bicodec_shm.transport import Segment
+        from bicodec_shm.protocol.segment import Segment
         seg = Segment.create({shm_name!r}, n_slots=3, max_tokens=10)
         seg.start_serving()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -280,7 +281,7 @@ def test_slot_lock_is_exclusive_between_attachments_and_dies_with_its_process(se
     # A process that holds a lock and is killed releases it without running any code.
     child = _python(f"""
         import time
-        from bicodec_shm.transport import Segment
+        from bicodec_shm.protocol.segment import Segment
         s = Segment.attach({shm_name!r})
         assert s.try_lock_slot(3)
         print("locked", flush=True)
@@ -306,7 +307,7 @@ def test_a_forked_child_with_threads_running_does_not_keep_its_parents_locks(seg
     # the mapping, and mmap's own descriptor, survive in the child), forks, and is SIGKILLed.
     parent = _python(f"""
         import gc, os, threading, time
-        from bicodec_shm.transport import Segment
+        from bicodec_shm.protocol.segment import Segment
         s = Segment.attach({shm_name!r})
         assert s.try_lock_slot(2)
         view = s.tokens[2]

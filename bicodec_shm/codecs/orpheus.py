@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..validation import as_utterance
+from .validation import as_utterance
 
 LLAMA3_VOCAB = 128256
 CUSTOM_TOKEN_OFFSET = 10  # <custom_token_0..9> are Orpheus's special tokens

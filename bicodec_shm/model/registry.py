@@ -13,10 +13,11 @@ from ..codecs.layout import get_layout
 
 # codec -> (module, class); imported on demand, so that naming a codec costs no model import.
 DECODERS = {
-    "bicodec": ("bicodec_shm.model.decoder", "BiCodecDecoder"),
+    "bicodec": ("bicodec_shm.model.bicodec.decoder", "BiCodecDecoder"),
     "snac-24khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
     "snac-32khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
     "snac-44khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
+    **dict.fromkeys(("dac-44khz", "dac-24khz", "dac-16khz"), ("bicodec_shm.model.dac.decoder", "DACDecoder")),
 }
 
 

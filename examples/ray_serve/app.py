@@ -1,6 +1,6 @@
 """Ray Serve in front of one shared decoder per node: the HTTP API of ``examples/http_tts``.
 
-Each replica, when it starts, gets its own node's decoder (``bicodec_shm.ray.local_decoder``: the
+Each replica, when it starts, gets its own node's decoder (``bicodec_shm.deploy.ray.local_decoder``: the
 first replica on a node starts it) and attaches one ``DecoderClient`` to it; every replica on a
 node batches into that node's forward passes. Routes, errors and WAV output are
 ``examples/decode_api.py``; every answer names its decoder (so its node) in the header
@@ -27,7 +27,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from bicodec_shm.ray import DecoderSpec, local_decoder
+from bicodec_shm.deploy.ray import DecoderSpec, local_decoder
 from examples.decode_api import Settings, create_app
 
 

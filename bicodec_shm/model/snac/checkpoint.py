@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ...errors import CheckpointError
-from .. import checkpoint as shared
+from .. import weights as shared
 from .config import SNACConfig
 
 CONFIG_FILE = "config.json"

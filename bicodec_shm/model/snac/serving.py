@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from ...codecs.layout import MAX_NOISE_SEED, CodecLayout
-from ...slot_io import Batch
-from ...transport import FLAG_NO_NOISE
+from ...protocol.layout import FLAG_NO_NOISE
+from ...protocol.slot_io import Batch
 
 
 class SNACAdapter:

@@ -1,9 +1,0 @@
-"""``python -m bicodec_shm.bench``: the same as ``bicodec-shm bench``."""
-
-from __future__ import annotations
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

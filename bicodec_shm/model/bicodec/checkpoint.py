@@ -1,0 +1,64 @@
+"""Reading and writing BiCodec folders: ``config.yaml`` + ``model.safetensors`` in Spark-TTS layout.
+
+The weights may be stored in any of the weight-norm forms of ``model/weights.py``; loading folds
+them once. Keys the decode path does not use (encoder, postnet, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from safetensors.torch import save_file
+from torch import nn
+
+from ...errors import CheckpointError
+from ..weights import Form, existing_folder, export_state_dict, read_config_file
+from .config import BiCodecConfig
+
+CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
+SUBFOLDER = "BiCodec"
+
+
+def find_folder(path: str | os.PathLike[str]) -> Path:
+    """The BiCodec folder for ``path``: itself, or its ``BiCodec/`` subfolder (a model folder)."""
+    folder = existing_folder(path)
+    has_own = any((folder / name).exists() for name in (CONFIG_FILE, WEIGHTS_FILE))
+    if not has_own and (folder / SUBFOLDER).is_dir():
+        folder = folder / SUBFOLDER
+    missing = [str(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / n).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"missing {' and '.join(missing)}: expected a BiCodec folder ({CONFIG_FILE} + "
+            f"{WEIGHTS_FILE}) or a model folder containing {SUBFOLDER}/"
+        )
+    return folder
+
+
+def read_config(file: Path) -> BiCodecConfig:
+    """Parse ``config.yaml``; raises CheckpointError on bad YAML or missing/invalid fields."""
+    return read_config_file(file, yaml.safe_load, "YAML", (yaml.YAMLError,), _audio_tokenizer)
+
+
+def _audio_tokenizer(doc: Any) -> BiCodecConfig:
+    section = doc.get("audio_tokenizer") if isinstance(doc, Mapping) else None
+    if not isinstance(section, Mapping):
+        raise ValueError("no 'audio_tokenizer' mapping at the top level")
+    return BiCodecConfig.from_dict(section)
+
+
+def write_config(file: Path, config: BiCodecConfig) -> None:
+    """Write ``config.yaml`` with one top-level key, ``audio_tokenizer``."""
+    text = yaml.safe_dump({"audio_tokenizer": config.to_dict()}, sort_keys=False)
+    file.write_text(text, encoding="utf-8")
+
+
+def write_state_dict(file: Path, model: nn.Module, form: Form = "weight_norm") -> int:
+    """Write ``model``'s weights in Spark-TTS key layout; returns the number of tensors written."""
+    tensors = export_state_dict(model, form)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return len(tensors)

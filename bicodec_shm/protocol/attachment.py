@@ -1,0 +1,675 @@
+"""One client attachment to one server incarnation: slots claimed on demand, requests, results.
+
+numpy and posix_ipc only. ``DecoderClient`` (client.py) holds one ``Attachment`` at a time and
+replaces it whole when its server goes away; everything here belongs to one segment and dies
+with it. See transport.py for the layout, the slot states, the identity rule and the
+memory-ordering rule.
+
+- **Slots on demand.** A request takes an idle slot of this attachment, else claims a FREE
+  slot of the segment (up to ``max_slots``), else waits, in short slices, for one to come
+  free. The OFD lock on a claimed slot is its ownership; the kernel drops it if we die. A claim
+  bumps the slot's claim epoch. When the attachment's last request finishes, every slot goes
+  back to the segment but one *warm* slot, which stays CLAIMED with its lock dropped: the next
+  request re-takes its lock if nobody touched it (same claim epoch), which is cheaper than a
+  claim and lets the server's rejoin window wait for us; and the server's reaper frees it at its
+  next tick otherwise. So an idle handle holds no slot for longer than a reap interval, and
+  idle workers never keep a new one out.
+- **A request is ``(slot, seq)``**: ``take_slot`` hands out both, and every later step (give
+  back, let go, the answer's identity check) names both, so a step repeated by an interrupted
+  caller can never touch the next request on the same slot.
+- **Synchronous requests** wait on their slot's own ``done`` semaphore (through semwait.py, so
+  a signal handler's exception reaches the caller).
+- **asyncio requests** ask the server to ring this attachment's *bell* besides ``done``. One
+  waiter thread per attachment sleeps on the bell, then takes ``done`` of each pending slot
+  (the pairing read) and resolves futures with ``loop.call_soon_threadsafe``: no thread per
+  request, and the event loop never blocks. The bell and the thread go away when idle.
+- **Letting go.** A request nobody waits for any more (its timeout, a cancelled coroutine,
+  Ctrl-C, an exception from a signal handler) *lets go* of its slot: it drops the slot's lock
+  and forgets it. The server's reaper frees the slot once no batch holds it, after the
+  server's last write and post to it. A client frees a slot itself only in state CLAIMED.
+- **Retiring.** When the server goes away, or the handle closes, ``retire`` fails every waiter
+  and pending future at once. The segment is unmapped when the last thread using it leaves:
+  every use of the mapping or its semaphores happens inside ``use()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from ..codecs.layout import DEFAULT_NOISE_SEED
+from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
+from .layout import CLAIMED, FREE, NO_BELL, READY, OutputDtype, Phase, Status
+from .segment import Segment, drain
+
+SLICE = 0.1  # seconds a waiter sleeps before checking that its server still serves
+_FLOAT32 = int(OutputDtype.FLOAT32)
+_BELL_IDLE = 2.0  # seconds without async requests before the waiter thread and bell go away
+
+
+class Gone(Exception):
+    """Internal: this attachment's server went away; re-attach and resubmit.
+
+    Never reaches a caller: ``DecoderClient`` catches it and turns it into a retry, or into
+    ``ServerUnavailableError`` at the deadline.
+    """
+
+
+class Attachment:
+    """The mapped segment of one server incarnation and what this process owns in it.
+
+    Args:
+        name: the server's segment name.
+        max_slots: most slots this attachment may own at once (its request concurrency).
+        owner_uid: the uid that must own the segment (None: our own euid).
+    """
+
+    segment: Segment | None = None
+
+    def __init__(self, name: str, *, max_slots: int, owner_uid: int | None) -> None:
+        self.segment = Segment.attach(name, owner_uid=owner_uid)
+        header = self.segment.header
+        # Limits the client validates against, read once (the header is fixed after start).
+        self.semantic_vocab = int(header["semantic_vocab"])
+        self.global_vocab = int(header["global_vocab"])
+        self.max_tokens = int(header["max_tokens"])
+        self.codec = self.segment.codec  # the served codec's token layout (codecs.CodecLayout)
+        self.n_slots = int(header["n_slots"])
+        self.name = name
+        self.max_slots = max_slots
+        self.handle_id = secrets.randbits(63)
+        self.seq = itertools.count(1)
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # a slot came back, or users dropped
+        self.owned: set[int] = set()
+        self.idle: list[int] = []  # owned, not in use
+        self.warm: tuple[int, int] | None = None  # (slot, claim epoch) let go of while warm
+        self.using: dict[int, int] = {}  # slot -> seq of the request that has it
+        self.claiming = 0
+        self.claim_lock = threading.Lock()
+        self.generation: dict[int, int] = {}  # slot -> the claim epoch we own it at
+        self.async_slot_waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self.pending: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.bell: int | None = None
+        self.waiter: threading.Thread | None = None
+        self.users = 0  # threads inside use(): the mapping must outlive them
+        self.retired: BaseException | None = None  # why this attachment takes no more work
+        self.stopped_cleanly = False  # the server stopped on purpose (not a crash)
+        self.unmapped = False
+
+    @property
+    def in_use(self) -> int:
+        return len(self.using)
+
+    # -- using the mapping safely --------------------------------------------------------
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[Segment]:
+        """Hold the mapping for the duration of the block; raise if the attachment retired."""
+        with self.lock:
+            if self.retired is not None:
+                raise self._retired_error()
+            self.users += 1
+        try:
+            yield self.segment  # type: ignore[misc]
+        except posix_ipc.Error as exc:
+            # A semaphore vanished or was closed under us: the server went away.
+            raise Gone() from exc
+        except ServerUnavailableError as exc:  # raised by Segment when it finds the server gone
+            raise Gone() from exc
+        finally:
+            with self.lock:
+                self.users -= 1
+                last = self.users == 0 and self.retired is not None
+                if last:
+                    self.changed.notify_all()
+            if last:
+                self._unmap()
+
+    def _retired_error(self) -> BaseException:
+        """A fresh exception for each caller (one instance raised in several threads would
+        share, and garble, its traceback)."""
+        reason = self.retired
+        return Gone() if reason is None or isinstance(reason, Gone) else type(reason)(str(reason))
+
+    def serving(self) -> bool:
+        seg = self.segment
+        return seg is not None and not self.unmapped and seg.serving()
+
+    def server_phase(self) -> int | None:
+        """The server's phase from the header (a hint, read without pairing), or None."""
+        seg = self.segment
+        try:
+            return None if seg is None or seg.header is None else int(seg.header["phase"])
+        except (TypeError, ValueError):
+            return None
+
+    def check_alive(self) -> None:
+        """Raise ``Gone`` (and retire) if the server no longer serves."""
+        if not self.serving():
+            self.retire_gone()
+            raise Gone()
+
+    def retire_gone(self) -> None:
+        """Retire because the server stopped serving; note whether it stopped on purpose."""
+        phase = self.server_phase()
+        self.stopped_cleanly = phase is not None and phase >= Phase.STOPPING
+        self.retire(Gone())
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def take_slot(self, deadline: float) -> tuple[int, int]:
+        """(slot, seq): an owned slot for a new request ``seq``; blocks (in slices) until one
+        is free."""
+        while True:
+            taken, claimed = self._take_or_claim()
+            if taken is not None:
+                return taken
+            if claimed:  # the segment had no FREE slot
+                self._wait_for_segment_slot(deadline)
+            else:
+                with self.lock:
+                    if not self.idle and self.retired is None:
+                        self.changed.wait(min(SLICE, max(0.0, deadline - time.monotonic())))
+            self._check_slot_wait(deadline)
+
+    async def take_slot_async(self, deadline: float) -> tuple[int, int]:
+        """``take_slot`` for asyncio: never blocks the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            taken, claimed = self._take_or_claim()
+            if taken is not None:
+                return taken
+            if claimed:  # no FREE slot in the segment: look again shortly (only under exhaustion)
+                await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+            else:
+                future = loop.create_future()
+                entry = (loop, future)
+                with self.lock:
+                    self.async_slot_waiters.append(entry)
+                try:
+                    left = max(0.0, deadline - time.monotonic())
+                    await asyncio.wait_for(asyncio.shield(future), min(SLICE, left))
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    with self.lock:
+                        if entry in self.async_slot_waiters:
+                            self.async_slot_waiters.remove(entry)
+            self._check_slot_wait(deadline)
+
+    def _take_or_claim(self) -> tuple[tuple[int, int] | None, bool]:
+        """An idle slot of ours, else a FREE slot of the segment if our limit allows one.
+        Returns ((slot, seq) or None, whether a claim was tried): with None, the caller waits
+        for one of ours to come back (no claim allowed) or for the segment (none was FREE)."""
+        taken, may_claim = self._take_local()
+        if taken is None and may_claim:
+            slot = self._claim_or_none()
+            if slot is not None:
+                taken = self._start_request(slot)
+        return taken, may_claim
+
+    def _start_request(self, slot: int) -> tuple[int, int]:
+        with self.lock:
+            seq = next(self.seq)
+            self.using[slot] = seq
+        return slot, seq
+
+    def _take_local(self) -> tuple[tuple[int, int] | None, bool]:
+        with self.lock:
+            if self.retired is not None:
+                raise self._retired_error()
+            if self.idle:
+                slot, seq = self.idle.pop(), next(self.seq)
+                self.using[slot] = seq
+                return (slot, seq), False
+            may_claim = len(self.owned) + self.claiming < self.max_slots
+            if may_claim:
+                self.claiming += 1
+            return None, may_claim
+
+    def _check_slot_wait(self, deadline: float) -> None:
+        self.check_alive()
+        if time.monotonic() >= deadline:
+            raise DecodeTimeoutError(
+                f"timed out waiting for a free slot on {self.name!r}: this handle's "
+                f"{self.max_slots} slots, or all {self.n_slots} of the server, are busy "
+                "(raise the handle's `slots`, the server's --slots, or the timeout)"
+            )
+
+    def _claim_or_none(self) -> int | None:
+        """Claim one FREE slot of the segment (lock first, then re-check); None if none.
+
+        One thread at a time: the slot locks exclude other processes (other open file
+        descriptions), not the threads that share ours. A second thread would "take" a lock we
+        already hold, and its unlock would drop ours.
+        """
+        try:
+            with self.claim_lock, self.use() as seg:
+                if self.warm is not None:
+                    slot = self._rewarm(seg)
+                    if slot is not None:
+                        return slot
+                states = seg.field["state"]
+                free = np.flatnonzero(states == FREE)  # a hint: the lock decides
+                if len(free):
+                    start = random.randrange(len(free))  # spread claimers over the table
+                    for slot in np.roll(free, -start).tolist():
+                        if not seg.try_lock_slot(slot):
+                            continue
+                        if states[slot] != FREE:  # a claim or a reap raced us
+                            seg.unlock_slot(slot)
+                            continue
+                        self._own(seg, slot)
+                        return slot
+                return None
+        finally:
+            with self.lock:
+                self.claiming -= 1
+
+    def _own(self, seg: Segment, slot: int) -> None:
+        """Make a FREE slot whose lock we just took ours (transition 1)."""
+        try:
+            # Stale posts of an earlier owner's life must not answer our first request (and
+            # if one comes late, its identity names the earlier claim epoch: it is skipped).
+            drain(seg.done(slot))
+            drain(seg.req(slot))
+        except BaseException:
+            seg.unlock_slot(slot)
+            raise
+        f = seg.field
+        f["generation"][slot] += 1  # a new claim epoch: we hold the lock, nobody else writes it
+        self.generation[slot] = int(f["generation"][slot])
+        f["owner_pid"][slot] = os.getpid()
+        f["handle_id"][slot] = self.handle_id
+        f["state"][slot] = CLAIMED
+        with self.lock:
+            self.owned.add(slot)
+
+    def _wait_for_segment_slot(self, deadline: float) -> None:
+        """Sleep until some client or the reaper posts ``free``, or one slice passes."""
+        left = max(0.0, deadline - time.monotonic())
+        # With requests of our own in flight, one of our slots may come back sooner.
+        timeout = min(SLICE / 5 if self.using else SLICE, left)
+        with self.use() as seg:
+            seg.wait(seg.free, timeout)  # a timeout, or a signal: the caller looks again
+
+    def give(self, slot: int, seq: int) -> None:
+        """Request ``seq`` is finished with ``slot`` (state CLAIMED): reuse it, or give it back.
+
+        Once no request of ours is in flight, every slot goes back to the segment (transition
+        6): a quiescent handle holds nothing that another process may need."""
+        with self.lock:
+            if self.retired is not None or self.using.get(slot) != seq:
+                return  # retired (the slots go with the attachment), or given back already
+            del self.using[slot]
+            self.idle.append(slot)
+            self.changed.notify()
+            if self.async_slot_waiters:
+                _resolve(*self.async_slot_waiters.popleft(), None, True)
+                return
+            surplus: list[int] = []
+            warm = None
+            if not self.using and self.claiming == 0:
+                surplus, self.idle = self.idle, []
+                self.owned.difference_update(surplus)
+                warm = surplus.pop()  # the most recently used
+        if surplus or warm is not None:
+            self._release(surplus, warm)
+
+    def let_go(self, slot: int, seq: int) -> None:
+        """Nobody waits for request ``seq`` any more: drop the lock on its slot and forget the
+        slot, whatever state it is in. The server's reaper frees it once no batch holds it
+        (after the server's last write and post), so it never reaches a next owner early."""
+        with self.lock:
+            if self.retired is not None or self.using.get(slot) != seq:
+                return
+            del self.using[slot]
+            self.owned.discard(slot)
+            self.changed.notify()
+        try:
+            with self.use() as seg:
+                seg.unlock_slot(slot)
+        except (Gone, BiCodecShmError, OSError):
+            pass  # retired meanwhile: the lock went with the attachment
+
+    def done_with(self, slot: int, seq: int) -> None:
+        """After a failure of request ``seq`` anywhere after ``take_slot``: give the slot back
+        if our own writes never made it READY (state CLAIMED: the server has not seen it),
+        else let go of it. Idempotent: does nothing once the slot went back."""
+        seg = self.segment
+        try:
+            claimed = seg is not None and not self.unmapped and int(seg.field["state"][slot]) == CLAIMED
+        except (KeyError, TypeError, IndexError):
+            claimed = False
+        if claimed:
+            self.give(slot, seq)
+        else:
+            self.let_go(slot, seq)
+
+    def _release(self, slots: list[int], warm: int | None = None) -> None:
+        """Free ``slots`` (transition 6); let go of ``warm`` but keep it in mind (see the
+        module docstring: the reaper frees it unless we come back first)."""
+        try:
+            with self.use() as seg:
+                for slot in slots:
+                    seg.free_slot(slot)
+                if warm is not None:
+                    with self.lock:
+                        self.warm = (warm, self.generation[warm])
+                    seg.unlock_slot(warm)
+        except Gone:
+            pass  # the server went away: those slots go with the attachment
+
+    def _rewarm(self, seg: Segment) -> int | None:
+        """Re-take the warm slot if it is still as we left it (CLAIMED, same claim epoch: the
+        reaper has not freed it, so nobody else has had it); None otherwise. Called with the
+        claim lock held."""
+        with self.lock:
+            warm, self.warm = self.warm, None
+        if warm is None:
+            return None
+        slot, gen = warm
+        if not seg.try_lock_slot(slot):
+            return None  # the reaper, or a claimer after it, has it now
+        f = seg.field
+        if int(f["state"][slot]) == CLAIMED and int(f["generation"][slot]) == gen:
+            with self.lock:
+                self.owned.add(slot)
+            return slot
+        if int(f["state"][slot]) == FREE:
+            self._own(seg, slot)  # freed by the reaper meanwhile: an ordinary claim
+            return slot
+        seg.unlock_slot(slot)
+        return None
+
+    # -- one request ---------------------------------------------------------------------------
+
+    def submit(self, slot: int, seq: int, semantic: np.ndarray | Sequence[np.ndarray],
+               global_ids: np.ndarray | None, dtype: int, notify: int, *,
+               noise_seed: int = DEFAULT_NOISE_SEED, flags: int = 0,
+               start_frame: int = 0) -> None:  # fmt: skip
+        """Write request ``seq`` into ``slot`` and ring the server.
+
+        ``semantic``: level 0's codes (T,) int32, or every level's codes (validated against
+        ``self.codec``); ``global_ids`` (n_global,) int32, or None for a codec without them."""
+        with self.use() as seg:
+            levels = [semantic] if isinstance(semantic, np.ndarray) else semantic
+            n = levels[0].shape[0]
+            seg.tokens[slot, :n] = levels[0]  # payload first ...
+            for i in range(1, len(levels)):
+                start = seg.layout.level_offset(i)
+                seg.tokens[slot, start : start + levels[i].shape[0]] = levels[i]
+            if global_ids is not None:
+                seg.globals[slot] = global_ids
+            f = seg.field
+            f["n_tokens"][slot] = n
+            f["n_global"][slot] = seg.codec.n_global
+            f["noise_seed"][slot] = noise_seed
+            f["flags"][slot] = flags
+            f["start_frame"][slot] = start_frame
+            f["dtype"][slot] = dtype
+            f["notify"][slot] = notify
+            seg.request_id[slot] = (self.handle_id, self.generation[slot], seq)  # its identity
+            f["status"][slot] = Status.OK
+            f["t_submit_ns"][slot] = time.monotonic_ns()
+            # Order matters: payload and fields above, then the state word, then req.I (the
+            # server reads the request only after taking it), then the wake-up doorbell.
+            f["state"][slot] = READY
+            seg.req(slot).release()
+            seg.ready.release()
+
+    def is_answer(self, seg: Segment, slot: int, seq: int) -> bool:
+        """Whether the result in ``slot`` answers request ``seq`` of ours (read only after
+        taking ``done.I``): the identity rule of transport.py."""
+        return seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq]
+
+    def wait_result(self, slot: int, seq: int, deadline: float) -> np.ndarray:
+        """Block until request ``seq`` in ``slot`` is answered; its PCM (a private copy).
+
+        On its timeout it lets go of the slot and raises ``DecodeTimeoutError``."""
+        while True:
+            with self.use() as seg:
+                got = seg.wait(seg.done(slot), min(SLICE, max(0.0, deadline - time.monotonic())))
+                # Read the result only after taking done.I (the pairing operation), and only
+                # if it is the answer to this very request rather than a stale post.
+                if got and self.is_answer(seg, slot, seq):
+                    return self.take_result(seg, slot, seq)
+            if got:
+                continue
+            if not self.serving():
+                self.retire_gone()
+                raise Gone()
+            if time.monotonic() >= deadline:
+                self.let_go(slot, seq)
+                raise self.timeout_error()
+
+    def timeout_error(self) -> DecodeTimeoutError:
+        if (self.server_phase() or 0) >= Phase.STOPPING:
+            why = "it is stopping"
+        else:
+            why = "it still serves: it may be overloaded"
+        return DecodeTimeoutError(f"no answer from the decoder server {self.name!r} within the timeout ({why})")
+
+    def take_result(self, seg: Segment, slot: int, seq: int) -> np.ndarray:
+        """Copy a DONE slot's PCM out (or raise its error) and hand the slot back."""
+        f = seg.field
+        try:
+            status = int(f["status"][slot])
+            if status != Status.OK:
+                detail = seg.error_text(slot)
+                name = Status(status).name if status in Status._value2member_map_ else str(status)
+                raise DecodeError(f"server rejected the request ({name}): {detail}",
+                                  code=status, detail=detail)  # fmt: skip
+            n = min(int(f["n_samples"][slot]), seg.pcm32.shape[1])  # never trust a length
+            if f["dtype"][slot] == _FLOAT32:
+                return seg.pcm32[slot, :n].copy()
+            return seg.pcm16[slot, :n].copy()
+        finally:
+            f["state"][slot] = CLAIMED  # transition 5: the server is done with this request
+            self.give(slot, seq)
+
+    # -- asyncio requests ------------------------------------------------------------------
+
+    def _claim_bell(self) -> int:
+        with self.use() as seg:
+            with self.lock:
+                if self.bell is not None:
+                    return self.bell
+                for index in random.sample(range(self.n_slots), self.n_slots):
+                    if seg.try_lock_bell(index):
+                        drain(seg.bell(index))
+                        self.bell = index
+                        return index
+        return NO_BELL  # every bell is taken: the waiter polls instead (rare; see _wait_loop)
+
+    def register(self, slot: int, seq: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> int:
+        """Expect the answer to asyncio request ``seq`` in ``slot``; returns the bell the
+        server must ring. The bell is claimed before the request is registered, so a failure
+        (the server gone) leaves no future behind; registered before the waiter is started,
+        so that the waiter thread (which only goes idle with nothing pending) cannot give the
+        bell back under us."""
+        bell = self.bell
+        if bell is None:
+            bell = self._claim_bell()
+        with self.lock:
+            if self.retired is not None:
+                raise self._retired_error()
+            self.pending[slot] = (seq, loop, future)
+            bell = self.bell if self.bell is not None else bell
+        self._ensure_waiter()
+        return bell
+
+    def forget_pending(self, slot: int, seq: int) -> None:
+        """An asyncio request was cancelled or timed out: let go of its slot, unless its
+        answer was already taken (then the slot went back with it)."""
+        with self.lock:
+            entry = self.pending.get(slot)
+            if entry is None or entry[0] != seq:
+                return
+            del self.pending[slot]
+        self.let_go(slot, seq)
+
+    def _ensure_waiter(self) -> None:
+        with self.lock:
+            if self.retired is not None or (self.waiter is not None and self.waiter.is_alive()):
+                return
+            self.waiter = threading.Thread(target=self._wait_loop, daemon=True,
+                                           name=f"bicodec-shm-waiter:{self.name}")  # fmt: skip
+            self.waiter.start()
+
+    def _wait_loop(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            with self.lock:
+                if self.retired is not None:
+                    return
+                if self.pending:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > _BELL_IDLE:
+                    # Give the bell back under the lock, so that a new request cannot claim
+                    # the same bell in between and then lose it to this unlock.
+                    if self.bell not in (None, NO_BELL) and self.segment is not None:
+                        self.segment.unlock_bell(self.bell)
+                    self.bell = None
+                    self.waiter = None
+                    return
+                bell = self.bell
+            try:
+                woke = self._sleep_on_bell(bell)
+                self._collect()
+            except Gone:
+                self.retire_gone()
+                return
+            if not woke and not self.serving():
+                self.retire_gone()
+                return
+
+    def _sleep_on_bell(self, bell: int | None) -> bool:
+        if bell in (None, NO_BELL):
+            # No request pending, or no bell to be had: a slow poll is enough.
+            time.sleep(SLICE if bell is None else SLICE / 10)
+            return False
+        with self.use() as seg:
+            try:
+                seg.bell(bell).acquire(SLICE)  # a worker thread: no signal handler runs here
+                return True
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                return False
+
+    def _collect(self) -> None:
+        """Take the answer of every pending slot whose ``done`` was posted."""
+        with self.lock:
+            watched = list(self.pending.items())
+        if not watched:
+            return
+        with self.use() as seg:
+            for slot, (seq, loop, future) in watched:
+                try:
+                    seg.done(slot).acquire(0)
+                except posix_ipc.BusyError:
+                    continue
+                if not self.is_answer(seg, slot, seq):
+                    continue  # a stale post; the real answer is still to come
+                with self.lock:
+                    if self.pending.get(slot, (None,))[0] != seq:
+                        continue  # let go of meanwhile (cancelled): its slot is not ours
+                    del self.pending[slot]
+                try:
+                    _resolve(loop, future, self.take_result(seg, slot, seq), True)
+                except DecodeError as exc:
+                    _resolve(loop, future, exc, False)
+
+    # -- retiring ---------------------------------------------------------------------------
+
+    def retire(self, reason: BaseException) -> None:
+        """Take no more work: wake every waiter and fail every pending future with ``reason``
+        (``Gone`` makes the callers resubmit elsewhere). Unmaps once nobody uses the mapping."""
+        with self.lock:
+            if self.retired is not None:
+                return
+            self.retired = reason
+            pending, self.pending = list(self.pending.values()), {}
+            slot_waiters, self.async_slot_waiters = list(self.async_slot_waiters), deque()
+            self.changed.notify_all()
+            unused = self.users == 0
+        for _, loop, future in pending:
+            _resolve(loop, future, self._retired_error(), False)
+        for loop, future in slot_waiters:
+            _resolve(loop, future, None, True)
+        if unused:
+            self._unmap()
+
+    def close(self, reason: BaseException, *, wait: float = 1.0) -> None:
+        """Retire, give idle slots back, and unmap once the threads in flight have left."""
+        self.retire(reason)
+        waiter = self.waiter
+        if waiter is not None and waiter is not threading.current_thread():
+            waiter.join(wait)
+        with self.lock:
+            self.changed.wait_for(lambda: self.users == 0, timeout=wait)
+        self._unmap()
+
+    def _unmap(self) -> None:
+        with self.lock:
+            if self.unmapped or self.users:
+                return
+            self.unmapped = True
+            seg, self.segment = self.segment, None
+            owned = list(self.owned)
+        if seg is None:
+            return
+        if seg.field:
+            # Free the slots that are ours alone (CLAIMED: no request of theirs reached the
+            # server, or its answer was taken). A slot in any other state (READY, BUSY, DONE)
+            # may still be written or posted by the server: we only drop its lock, with the
+            # lock descriptor below, and the reaper frees it once the server is done with it.
+            states = seg.field["state"]
+            warm, self.warm = self.warm, None
+            if warm is not None and seg.try_lock_slot(warm[0]):
+                if int(states[warm[0]]) == CLAIMED and int(seg.field["generation"][warm[0]]) == warm[1]:
+                    owned.append(warm[0])  # still as we left it: free it now, not at a reap
+                else:
+                    seg.unlock_slot(warm[0])
+            for slot in owned:
+                if int(states[slot]) == CLAIMED:
+                    try:
+                        seg.free_slot(slot)
+                    except (posix_ipc.Error, BiCodecShmError):
+                        pass  # the server is gone (its doorbell with it): nobody waits
+        seg.close()  # closes the lock descriptor: every lock of ours drops with it
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: nothing here is ours (the locks were closed at fork)."""
+        self.retired = Gone()
+        self.unmapped = True
+        seg, self.segment = self.segment, None
+        if seg is not None:
+            seg.close()
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, ok: bool) -> None:
+    def apply() -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    try:
+        loop.call_soon_threadsafe(apply)
+    except RuntimeError:
+        pass  # that event loop is closed

@@ -1,0 +1,71 @@
+"""Codec adapters: how the server hands a gathered batch to the decoder of the codec it serves.
+
+The transport and the engine know a codec only by its ``CodecLayout`` (levels, rates, samples
+per frame, global ids). What a decoder's ``detokenize`` takes differs per codec, so each codec
+provides an adapter with two members::
+
+    layout: CodecLayout                        written into the segment header
+    detokenize(batch: slot_io.Batch) -> (B, spf·T) float audio on the decoder's device
+
+A decoder that plays an asynchronous device (the bench's stand-in, ``asynchronous = True``)
+also has ``launch(...)``, which returns its output at once with an event whose
+``synchronize()`` waits for the "device"; the BiCodec adapter passes it on as ``launch(batch)``.
+The server reads a launch's output only after its event has completed, and it launches batch
+k before it reads batch k-1's output: so each launch returns an output of its own, which no
+later launch writes (sharing one is safe only for an output nobody writes, as the stand-in's
+zeros). Its inputs are the batch's own copies, kept unchanged until the batch is published.
+
+A decoder names its adapter with a ``codec_adapter()`` method (``SNACDecoder`` does); one
+without it is taken as BiCodec (``detokenize(semantic, global_ids, lengths)``, as
+``BiCodecDecoder`` and the tests' stand-ins have). A third codec is one more model module with
+its ``codec_adapter()``: nothing here or in the transport changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Protocol
+
+import torch
+
+from ..codecs.layout import BICODEC, CodecLayout
+from ..protocol.slot_io import Batch
+
+
+class CodecAdapter(Protocol):
+    layout: CodecLayout
+
+    def detokenize(self, batch: Batch) -> torch.Tensor:
+        """A gathered batch -> float audio (B, >= samples_per_frame·T) on the decoder's device."""
+        ...
+
+
+class BiCodecAdapter:
+    """BiCodec: level 0 is the semantic ids, plus 32 global ids per row."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        config = getattr(decoder, "config", None)
+        self.layout = replace(
+            BICODEC,
+            level_vocab=(int(getattr(config, "semantic_vocab", BICODEC.level_vocab[0])),),
+            global_vocab=int(getattr(config, "global_vocab", BICODEC.global_vocab)),
+        )
+
+    def detokenize(self, batch: Batch) -> torch.Tensor:
+        return self.decoder.detokenize(*self._tensors(batch))
+
+    def launch(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """An asynchronous decoder's launch: (output, event to ``synchronize()``)."""
+        return self.decoder.launch(*self._tensors(batch))
+
+    @staticmethod
+    def _tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.from_numpy(batch.semantic), torch.from_numpy(batch.global_ids),
+                torch.from_numpy(batch.lengths))  # fmt: skip
+
+
+def codec_adapter(decoder: Any) -> CodecAdapter:
+    """The adapter of ``decoder``'s codec: its own ``codec_adapter()``, else BiCodec's."""
+    make = getattr(decoder, "codec_adapter", None)
+    return make() if callable(make) else BiCodecAdapter(decoder)

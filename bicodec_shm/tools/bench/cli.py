@@ -1,0 +1,559 @@
+"""``bicodec-shm bench``: decode throughput of bicodec-shm against what users do today.
+
+What it measures: N client processes each send requests one after another (a TTS worker
+waits for its audio before it asks for more) for a fixed window of wall time (default 60 s per
+system and N), repeated (default 3 times). Request lengths are drawn from a mix (default: 80%
+streaming chunks of 25-50 tokens, 20% utterances of 100-300 tokens; 50 tokens = 1 s). Client
+i's k-th request is the same in every system of one invocation:
+
+1. ``bicodec-shm``: one ``DecoderServer`` process (all cores), N torch-free ``DecoderClient``
+   processes. The server's decoder is wrapped so that it records every batch it forms.
+   ``--lanes 1,2`` runs it once per value (rows ``bicodec-shm (lanes=2)``), ``--server-arg
+   KEY=VALUE`` passes any other ``DecoderServer`` keyword.
+2. ``decoder per process``: each of the N processes loads its own ``BiCodecDecoder``
+   (max(1, cores // N) torch threads each) and decodes its own requests one by one, unpadded.
+   This is what users do today.
+3. ``queue server``: one server process (all cores) fed pickled numpy requests through a
+   ``multiprocessing.Queue``, replying through one Queue per client. It batches exactly like
+   bicodec-shm (``batching.plan_batch``, the same ``max_wait_ms`` window, the same masked
+   ``detokenize(..., lengths)``): only the transport differs.
+4. ``limit (no IPC)``: the batches bicodec-shm formed in its window, replayed in a loop on the
+   model in one process (all cores) with inputs built in advance: no IPC, no clients.
+
+The window (see ``systems.py``): every process is loaded, warmed up and released at once;
+clients send until the window closes; only requests that completed inside it count, so the
+work in flight at the close (at most one request per client) is left out of every system
+alike. ``--requests M`` instead sends exactly M requests per client and counts them all.
+
+``--model stand-in`` (or ``--stand-in A,B``) replaces the model by a device-shaped stand-in
+that sleeps ``A + B·rows·longest`` ms per batch and holds no CPU (``standin.py``, which also
+derives the defaults A ≈ 29.2, B ≈ 0.0167 from the seed's 10 x 30 ms vs one 35-40 ms batch).
+Its decoder-per-process baseline takes one cross-process lock around every decode, the one
+device the processes time-slice. Its rows add ``ideal batcher (computed)``: every batch
+planned from all N outstanding requests with zero overhead; ``x ideal`` is the share of the
+ideal batching gain a system keeps. An asynchronous stand-in (``--stand-in modern``) also adds
+``pipelined ideal (computed)``: the same, held to one pipelined lane, which plans each batch
+while the one before it runs and so without that batch's clients; ``x pipelined ideal`` is the
+share of what a pipelined lane can reach at all.
+
+Per system and N, as median (min-max) over the repeats: audio seconds decoded per wall second,
+requests per second, p50/p99 request latency as the client sees it, CPU seconds per audio
+second, the average batch size and padding, the peak of the summed resident memory (RSS) of
+the system's processes (sampled with psutil every ``--sample-ms``), and the share of the
+machine's CPU that *other* processes used meanwhile (the noise). Ratios (against the limit,
+the decoder per process, the queue server, the ideal batchers) are computed within each repeat
+and then summarised.
+
+``--sweep`` instead runs bicodec-shm alone at one N over a grid of ``max_wait_ms`` and
+``max_batch_tokens``, to choose the batching defaults from data.
+
+``--codec snac-24khz`` (or 32/44 kHz) runs the same systems on SNAC, the codec of Orpheus TTS:
+requests are per-level code arrays drawn with the codec's layout (1 : 2 : 4 codes per frame at
+24 kHz), the mix counts frames (default: the seconds of the BiCodec mix, 6-12 and 23-70 frames
+at 24 kHz), and the model is the full-size SNAC architecture with random weights (``--quick``:
+the tiny one). Every system decodes through the codec's adapter, the server's own call.
+
+Usage::
+
+    bicodec-shm bench                           # full size, N = 1 2 4 8 16, 60 s x 3 (~1.5 h)
+    bicodec-shm bench --quick                   # tiny model, N = 1 2, 2 s windows (< 1 min)
+    bicodec-shm bench --model stand-in --n 16   # the device-shaped stand-in
+    bicodec-shm bench --n 8 --lanes 1,2         # the server with 1 and with 2 decode lanes
+    bicodec-shm bench --sweep --n 8 --window 20 # the batching-policy grid
+    bicodec-shm bench --codec snac-24khz --n 4,8 --window 30   # SNAC (Orpheus), full size
+
+Results go to a table on stdout, JSON (default ``benchmarks/out/bench_throughput.json``) and a
+PNG of throughput and p99 against N (needs matplotlib: ``pip install "bicodec-shm[plot]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import inspect
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from ...codecs.layout import LAYOUTS, get_layout
+from ...protocol.names import leftover_objects, unlink_all
+from ...server.batching import (
+    DEFAULT_CUDA_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_WAIT_MS,
+    default_max_batch_tokens,
+)
+from ..model_args import CODEC_PRESETS, resolve_preset
+from .config import (
+    DEFAULT_NS,
+    DEFAULT_OMP_WAIT_POLICY,
+    DEFAULT_REPEATS,
+    DEFAULT_WINDOW_S,
+    LIMIT,
+    MODELS,
+    QUICK_NS,
+    QUICK_WINDOW_S,
+    REQUEST_TIMEOUT,
+    RESERVED_SERVER_ARGS,
+    SHM,
+    STAND_IN,
+    SWEEP_N,
+    SWEEP_TOKENS,
+    SWEEP_WAITS,
+    SYSTEM_KEYS,
+    Policy,
+    Setup,
+    ShmVariant,
+)
+from .decoding import DEVICE_ENV
+from .orchestrate import bench_all, bench_sweep, runs_per_repeat
+from .plot import PLOT_EXTRA, plot
+from .report import (
+    _json_default,
+    compare,
+    format_sweep,
+    format_table,
+    format_targets,
+    summary,
+    sweep_summary,
+    targets,
+)
+from .sampling import _cores, environment
+from .standin import DEFAULT_A_MS, DEFAULT_B_MS, IDEAL_DEFINITION, PIPELINED_DEFINITION, STAND_IN_PRESETS
+from .systems import per_process_threads
+from .workload import DEFAULT_MIX, default_mix, parse_mix, requests_per_client
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _stand_in_costs(text: str) -> tuple[float, float, bool]:
+    """``--stand-in``: a preset name (standin.py) or ``A_MS,B_MS`` (synchronous) -> (a, b, async)."""
+    preset = STAND_IN_PRESETS.get(text.strip())
+    if preset is not None:
+        return preset.a_ms, preset.b_ms, preset.asynchronous
+    try:
+        costs = _floats(text)
+    except argparse.ArgumentTypeError:
+        costs = []
+    if len(costs) != 2 or min(costs) < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a preset ({', '.join(STAND_IN_PRESETS)}) or A_MS,B_MS, two numbers >= 0, "
+            f"got {text!r}")  # fmt: skip
+    return costs[0], costs[1], False
+
+
+def parse_server_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, value): VALUE as a Python literal (2, 1.5, None, True, "x"), or
+    else as the string itself."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. lanes=2, got {text!r}")
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return key, value
+
+
+def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("benchmarks", "out")) -> None:
+    """The options of ``bicodec-shm bench`` (also used by benchmarks/bench_throughput.py)."""
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: tiny model, N = {','.join(map(str, QUICK_NS))}, "
+                        f"{QUICK_WINDOW_S:g} s windows, 1 repeat (under a minute)")  # fmt: skip
+    p.add_argument("--device", default="cpu",
+                   help="torch device of every model process, e.g. cuda:0 (default cpu)")  # fmt: skip
+    p.add_argument("--codec", default="bicodec", choices=sorted(LAYOUTS),
+                   help="the codec benchmarked (default bicodec): its layout draws the requests, "
+                        "its model decodes them")  # fmt: skip
+    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + CODEC_PRESETS,
+                   help="architecture with random weights, or the device-shaped stand-in (BiCodec "
+                        "only); default the codec's full size (spark-tts-0.5b, snac-24khz, ...), "
+                        "--quick its tiny one")  # fmt: skip
+    p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="PRESET|A_MS,B_MS",
+                   help="the stand-in: a preset, " + "; ".join(
+                       f"{k}: {v.a_ms:.4g} + {v.b_ms:.4g} x rows x longest ms, {v.about}"
+                       for k, v in STAND_IN_PRESETS.items())
+                   + "; or A,B for those costs, synchronous; implies --model stand-in (default seed)")  # fmt: skip
+    p.add_argument("--n", type=_ints, default=None, metavar="N,N,...",
+                   help=f"client processes (default 1,2,4,8,16; with --sweep {SWEEP_N})")  # fmt: skip
+    p.add_argument("--window", type=float, default=None, metavar="SECONDS",
+                   help=f"seconds each system runs per N and repeat (default {DEFAULT_WINDOW_S:g}; "
+                        f"--quick {QUICK_WINDOW_S:g})")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=None, metavar="R",
+                   help=f"runs of every system per N, or passes over the sweep grid (default "
+                        f"{DEFAULT_REPEATS}; --quick and --sweep 1)")  # fmt: skip
+    p.add_argument("--requests", type=int, default=None, metavar="M",
+                   help="instead of a window: exactly M requests per client")
+    p.add_argument("--total-requests", type=int, default=None, metavar="TOTAL",
+                   help="instead of a window: max(2, TOTAL // N) requests per client")
+    p.add_argument("--mix", default=None,
+                   help=f"request lengths in frames of the codec (BiCodec: tokens), LO-HI:WEIGHT,... "
+                        f"(default {DEFAULT_MIX}; SNAC 24 kHz {default_mix(get_layout('snac-24khz'))}: "
+                        "the same seconds)")  # fmt: skip
+    p.add_argument("--systems", default=",".join(SYSTEM_KEYS),
+                   help=f"comma-separated subset of {','.join(SYSTEM_KEYS)} (limit needs shm)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
+    p.add_argument("--cores", type=int, default=None,
+                   help="CPU cores to share out (default: those this process may use)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="most rows per batch, for every batching system")  # fmt: skip
+    p.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
+                   help="how long a batch may wait to grow, for every batching system")  # fmt: skip
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help=f"padded-token budget per batch (default {DEFAULT_MAX_BATCH_TOKENS} on CPU, "
+                        f"{DEFAULT_CUDA_MAX_BATCH_TOKENS} on CUDA)")  # fmt: skip
+    p.add_argument("--per-process-max-n", type=int, default=None, metavar="N",
+                   help="run the decoder per process only at N <= this (default: every N)")
+    p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
+                   help="memory this machine has for decoder-per-process runs (default: what is "
+                        "available now; a VM whose memory grows on use reports too little)")  # fmt: skip
+    p.add_argument("--server-arg", type=parse_server_arg, action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="an extra DecoderServer keyword for bicodec-shm, e.g. lanes=2 "
+                        "(repeatable; VALUE is read as a Python literal, else a string)")  # fmt: skip
+    p.add_argument("--lanes", type=_lane_counts, default=None, metavar="K,K,...",
+                   help="run bicodec-shm once per value with DecoderServer(lanes=K) (rows "
+                        "'bicodec-shm (lanes=K)'); 'auto' is the default, measured on the live "
+                        "traffic (row 'bicodec-shm (lanes=auto)'); without it, lanes= is not "
+                        "passed")  # fmt: skip
+    p.add_argument("--sweep", action="store_true",
+                   help="bicodec-shm alone over a grid of --sweep-wait x --sweep-tokens")
+    p.add_argument("--sweep-wait", type=_floats, default=SWEEP_WAITS, metavar="MS,MS,...",
+                   help="max_wait_ms values (default 0,2,5,10)")
+    p.add_argument("--sweep-tokens", type=_ints, default=SWEEP_TOKENS, metavar="T,T,...",
+                   help="max_batch_tokens values (default 512,1024,2048,4096)")
+    p.add_argument("--omp-wait-policy", default=DEFAULT_OMP_WAIT_POLICY,
+                   choices=("PASSIVE", "ACTIVE", "inherit"),
+                   help="OMP_WAIT_POLICY of every model process (default %(default)s; "
+                        "inherit: leave the environment alone)")  # fmt: skip
+    p.add_argument("--sample-ms", type=float, default=50.0, help="RSS sampling period (default 50)")
+    p.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT,
+                   help="seconds one request, or the wait for the next event, may take")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help=f"results file (default {os.path.join(out_dir, 'bench_throughput.json')}, "
+                        "or bench_throughput_sweep.json with --sweep)")  # fmt: skip
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help=f"PNG (default {os.path.join(out_dir, 'bench_throughput.png')}); needs "
+                        f"matplotlib, the [plot] extra: {PLOT_EXTRA}")  # fmt: skip
+    p.add_argument("--out-dir", default=out_dir, metavar="DIR",
+                   help=f"folder of the default JSON and PNG (default {out_dir}, relative to the "
+                        "current folder; the run prints the full path first)")  # fmt: skip
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def check_server_options(options: dict[str, Any]) -> None:
+    """Raise ValueError unless this ``DecoderServer`` accepts every keyword in ``options``
+    (imports the server, hence torch, so only called when there are options)."""
+    bad = sorted(set(options) & set(RESERVED_SERVER_ARGS))
+    if bad:
+        raise ValueError(f"--server-arg {', '.join(bad)}: set by the benchmark; use --max-batch, "
+                         "--max-wait-ms, --max-batch-tokens (they drive the queue server too)")  # fmt: skip
+    if not options:
+        return
+    from ...server.server import DecoderServer
+
+    params = inspect.signature(DecoderServer.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"this DecoderServer does not accept {', '.join(f'{k}=' for k in unknown)}; "
+                         f"its keyword arguments are {', '.join(accepted)}")  # fmt: skip
+
+
+def _lane_counts(text: str) -> tuple[int | None, ...]:
+    """``--lanes``: "1,2,auto" -> (1, 2, None); None is the server's own choice."""
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "auto":
+            out.append(None)
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected lane counts or 'auto', got {text!r}") from None
+    return tuple(out)
+
+
+def shm_variants(server_args: Sequence[tuple[str, Any]],
+                 lanes: Sequence[int | None] | None) -> tuple[ShmVariant, ...]:  # fmt: skip
+    """The bicodec-shm configurations to run: one per ``--lanes`` value, or just one."""
+    options = dict(server_args)
+    if lanes is None:
+        return (ShmVariant(SHM, options),)
+    if "lanes" in options:
+        raise ValueError("give lanes either as --lanes or as --server-arg lanes=K, not both")
+    fixed = [k for k in lanes if k is not None]
+    if not lanes or (fixed and min(fixed) < 1) or len(set(lanes)) != len(lanes):
+        raise ValueError(f"--lanes needs distinct values >= 1 or auto, got "
+                         f"{','.join('auto' if k is None else str(k) for k in lanes)}")  # fmt: skip
+    return tuple(ShmVariant(f"{SHM} (lanes={'auto' if k is None else k})",
+                            options if k is None else {**options, "lanes": k}) for k in lanes)  # fmt: skip
+
+
+class Plan:
+    """What ``args`` asks for, checked: the setup, the Ns, the systems, the repeats, and the
+    requests per client when there is no window."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        out_dir = getattr(args, "out_dir", None) or os.path.join("benchmarks", "out")
+        if args.stand_in is not None and args.preset not in (None, STAND_IN):
+            raise ValueError(f"--stand-in needs --model {STAND_IN}, got --model {args.preset}")
+        stand_in = args.stand_in is not None or args.preset == STAND_IN
+        if stand_in and args.codec != "bicodec":
+            raise ValueError(f"--model {STAND_IN} is BiCodec-shaped; --codec {args.codec} needs a real model")
+        size = args.preset or ("tiny" if args.quick else None)  # None: the codec's full size
+        preset = STAND_IN if stand_in else resolve_preset(args.codec, size)
+        ns = args.n or ((SWEEP_N,) if args.sweep else (QUICK_NS if args.quick else DEFAULT_NS))
+        if args.sweep and args.quick and args.n is None:
+            ns = (2,)
+        if not ns or min(ns) < 1:
+            raise ValueError("--n needs values >= 1")
+        if args.sweep and len(ns) != 1:
+            raise ValueError(f"--sweep runs at one N; got --n {','.join(map(str, ns))}")
+        counted = args.requests is not None or args.total_requests is not None
+        if counted and args.window is not None:
+            raise ValueError("--window and --requests/--total-requests exclude each other")
+        for flag, value in (("--requests", args.requests), ("--total-requests", args.total_requests)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        window = args.window
+        if window is None and not counted:
+            window = QUICK_WINDOW_S if args.quick else DEFAULT_WINDOW_S
+        if window is not None and window <= 0:
+            raise ValueError(f"--window must be > 0 seconds, got {window:g}")
+        repeats = args.repeats
+        if repeats is None:
+            repeats = 1 if args.quick or args.sweep else DEFAULT_REPEATS
+        if repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {repeats}")
+        keys = [k.strip() for k in args.systems.split(",") if k.strip()]
+        bad = [k for k in keys if k not in SYSTEM_KEYS]
+        if bad or not keys:
+            raise ValueError(f"--systems: unknown {bad}; choose from {', '.join(SYSTEM_KEYS)}")
+        systems = [SYSTEM_KEYS[k] for k in keys]
+        if LIMIT in systems and SHM not in systems:
+            raise ValueError("--systems: limit replays the batches of shm; include shm")
+        variants = shm_variants(args.server_arg, args.lanes)
+        check_server_options({k: v for variant in variants for k, v in variant.server_options.items()})
+        if args.per_process_max_n is not None and args.per_process_max_n < 1:
+            raise ValueError(f"--per-process-max-n must be >= 1, got {args.per_process_max_n}")
+        if args.memory_gib is not None and args.memory_gib <= 0:
+            raise ValueError(f"--memory-gib must be > 0, got {args.memory_gib:g}")
+        budget = args.max_batch_tokens
+        if budget is None:
+            budget = default_max_batch_tokens(args.device.split(":")[0])
+        self.setup = Setup(
+            preset=preset, seed=args.seed, codec=args.codec,
+            mix=parse_mix(args.mix or default_mix(get_layout(args.codec))), cores=args.cores or _cores(),
+            policy=Policy(args.max_batch, args.max_wait_ms, budget),
+            sample_interval=args.sample_ms / 1000, timeout=args.timeout, window=window,
+            stand_in_ms=(args.stand_in or (DEFAULT_A_MS, DEFAULT_B_MS))[:2],
+            stand_in_async=bool(args.stand_in and args.stand_in[2]), shm=variants,
+            per_process_max_n=args.per_process_max_n, memory_gib=args.memory_gib,
+        )  # fmt: skip
+        self.ns: tuple[int, ...] = tuple(ns)
+        self.systems = systems
+        self.repeats = repeats
+        self.requests = ({n: requests_per_client(n, args.requests, args.total_requests or 0)
+                          for n in ns} if counted else None)  # fmt: skip
+        stem = "bench_throughput_sweep" if args.sweep else "bench_throughput"
+        args.json = args.json or os.path.join(out_dir, f"{stem}.json")
+        if args.plot is None and not args.sweep:
+            args.plot = os.path.join(out_dir, "bench_throughput.png")
+
+    def describe(self, *, sweep: bool, grid: int = 1) -> str:
+        setup, ns = self.setup, self.ns
+        unit = "tokens" if setup.codec == "bicodec" else f"frames ({setup.layout.frame_rate:.3g}/s)"
+        mix = ", ".join(f"{b.lo}-{b.hi} {unit} x{b.weight:g}" for b in setup.mix)
+        if self.requests is None:
+            per_pass = grid if sweep else len(ns) * runs_per_repeat(setup, self.systems)
+            runs = per_pass * self.repeats
+            total = runs * setup.window
+            span = f"{total / 60:.0f} min" if total >= 120 else f"{total:.0f} s"
+            load = (f"window {setup.window:g} s per run, {self.repeats} repeat(s): {runs} runs, "
+                    f"{span} of windows plus start-up")  # fmt: skip
+        else:
+            load = "requests per client: " + ", ".join(f"N={n}: {self.requests[n]}" for n in ns)
+        if setup.stand_in:
+            a, b = setup.stand_in_ms
+            model = (f"model {STAND_IN}: {a:.4g} + {b:.4g} x rows x longest ms per batch, no CPU"
+                     + (", an asynchronous device (one pipelined lane)" if setup.stand_in_async else ""))  # fmt: skip
+        else:
+            model = f"codec {setup.codec}, model {setup.preset} (random weights, seed {setup.seed})"
+        threads = (f"torch threads: servers and the limit {setup.cores} (all cores); decoder per "
+                   f"process max(1, {setup.cores} // N) each "
+                   f"({', '.join(f'N={n}: {per_process_threads(setup.cores, n)}' for n in ns)}); "
+                   "bicodec-shm and queue clients import no torch")  # fmt: skip
+        p = setup.policy
+        lines = [
+            f"{model}; {setup.cores} cores; load average {os.getloadavg()[0]:.2f}",
+            f"mix: {mix}; {load}",
+            threads if not sweep else f"torch threads: server {setup.cores}",
+            f"batching (bicodec-shm and queue server): max_batch {p.max_batch}, max_wait_ms "
+            f"{p.max_wait_ms:g}, max_batch_tokens {p.max_batch_tokens}" if not sweep else
+            f"batching: max_batch {p.max_batch}, max_wait_ms x max_batch_tokens swept",
+        ]  # fmt: skip
+        extra = [f"{v.label}: " + ", ".join(f"{k}={o!r}" for k, o in v.server_options.items())
+                 for v in setup.shm if v.server_options]  # fmt: skip
+        return "\n".join(lines + extra)
+
+
+def run_and_report(args: argparse.Namespace) -> int:
+    """Run what ``args`` asks for, print the tables, write JSON (and the plot); 0 if clean."""
+    try:
+        import psutil  # noqa: F401  (the memory and CPU sampler)
+    except ImportError:
+        print("bicodec-shm bench needs psutil: pip install psutil", file=sys.stderr)
+        return 2
+    os.environ[DEVICE_ENV] = args.device
+    plan = Plan(args)
+    setup, ns = plan.setup, plan.ns
+    grid = len(args.sweep_wait) * len(args.sweep_tokens)
+    print(plan.describe(sweep=args.sweep, grid=grid), flush=True)
+    plot_path = "" if args.sweep or args.no_plot else f" and {os.path.abspath(args.plot)}"
+    print(f"results will be written to {os.path.abspath(args.json)}{plot_path} "
+          "(--out-dir, --json and --plot change that)", flush=True)  # fmt: skip
+    print(f"OMP_WAIT_POLICY={args.omp_wait_policy} in every model process\n", flush=True)
+    names: list[str] = []
+    omp_before = os.environ.get("OMP_WAIT_POLICY")
+    if args.omp_wait_policy != "inherit":
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # spawned children inherit it
+    # SIGTERM (a CI timeout, a kill) unwinds like Ctrl-C, so that every finally block runs and
+    # every child process and /dev/shm object is cleaned up.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    started = time.perf_counter()
+
+    def save_partial(done: list) -> None:
+        """The runs so far, so that a run cut short (a step's timeout) still leaves them."""
+        partial = {"benchmark": "bench_throughput", "partial": True, "environment": environment(),
+                   "results": [{k: v for k, v in asdict(r).items() if k != "batches"} for r in done]}
+        _write_json(args.json, partial)
+
+    try:
+        if args.sweep:
+            results = bench_sweep(setup, ns[0], requests=plan.requests and plan.requests[ns[0]],
+                                  waits=args.sweep_wait, tokens=args.sweep_tokens,
+                                  repeats=plan.repeats, progress=not args.no_progress,
+                                  names=names)  # fmt: skip
+        else:
+            results = bench_all(setup, ns, requests=plan.requests, repeats=plan.repeats,
+                                systems=plan.systems, progress=not args.no_progress,
+                                names=names, on_result=save_partial)  # fmt: skip
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if omp_before is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        else:
+            os.environ["OMP_WAIT_POLICY"] = omp_before
+        left = [o for name in names for o in leftover_objects(name)]
+        for name in names:
+            unlink_all(name)
+    elapsed = time.perf_counter() - started
+    report: dict[str, Any] = {
+        "benchmark": "bench_throughput" + ("_sweep" if args.sweep else ""),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "config": {
+            "codec": setup.codec, "preset": setup.preset, "seed": setup.seed,
+            "mix": [asdict(b) for b in setup.mix], "mix_unit": "frames (BiCodec: tokens)",
+            "n_clients": list(ns), "window_s": setup.window, "repeats": plan.repeats,
+            "requests_per_client": plan.requests and {str(n): m for n, m in plan.requests.items()},
+            "edge": "requests completed after the window closed are left out (cut_at_edge)",
+            "cores": setup.cores, "policy": asdict(setup.policy),
+            "bicodec_shm": [asdict(v) for v in setup.shm],
+            "threads": {"server": setup.cores, "limit": setup.cores, "queue_server": setup.cores,
+                        "per_process": {str(n): per_process_threads(setup.cores, n) for n in ns},
+                        "clients": "no torch"},
+            "sample_interval_s": setup.sample_interval, "systems": list(plan.systems),
+            "omp_wait_policy": args.omp_wait_policy if args.omp_wait_policy != "inherit"
+            else omp_before,
+        },  # fmt: skip
+        "environment": environment(),
+        "elapsed_s": elapsed,
+        "results": [{k: v for k, v in asdict(r).items() if k != "batches"} for r in results],
+        "shm_names": names,
+        "left_in_dev_shm": left,
+    }
+    if setup.stand_in:
+        a, b = setup.stand_in_ms
+        report["config"]["stand_in"] = {"a_ms": a, "b_ms": b, "cost": "a + b x rows x longest ms",
+                                        "asynchronous": setup.stand_in_async,
+                                        "ideal": IDEAL_DEFINITION}  # fmt: skip
+        if setup.stand_in_async:
+            report["config"]["stand_in"]["pipelined_ideal"] = PIPELINED_DEFINITION
+    failed = sum(r.failed for r in results)
+    if args.sweep:
+        report["config"].update(sweep_wait=list(args.sweep_wait), sweep_tokens=list(args.sweep_tokens))
+        report["summary"] = sweep_summary(results)
+        print(format_sweep(results))
+    else:
+        comparison = compare(results)
+        report["summary"] = summary(results)
+        report["comparison"] = {str(n): c for n, c in comparison.items()}
+        # The issue's targets were set for BiCodec's model and mix.
+        report["targets"] = (targets(comparison, stand_in=setup.stand_in, mix=setup.mix)
+                             if setup.codec == "bicodec" else [])  # fmt: skip
+        print(format_table(results, comparison))
+        print()
+        print(format_targets(report["targets"], ran=ns) if setup.codec == "bicodec"
+              else f"targets: none for {setup.codec} (the issue's targets are BiCodec's)")  # fmt: skip
+    print(f"\nwall time {elapsed:.0f} s; failed requests {failed}; left in /dev/shm: "
+          f"{', '.join(left) or 'nothing'}")  # fmt: skip
+    _write_json(args.json, report)
+    print(f"wrote {os.path.abspath(args.json)}")
+    if not args.sweep and not args.no_plot:
+        print(plot(results, args.plot))
+    return 1 if failed or left else 0
+
+
+def _write_json(path: str, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` through a temporary file: a reader never sees half of it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump(report, f, indent=2, default=_json_default)
+        f.write("\n")
+    os.replace(path + ".part", path)
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "bicodec-shm bench",
+         out_dir: str = os.path.join("benchmarks", "out")) -> int:  # fmt: skip
+    """Parse ``argv``, run, report; ``out_dir`` holds the default JSON and PNG."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(p, out_dir=out_dir)
+    args = p.parse_args(argv)
+    try:
+        return run_and_report(args)
+    except ValueError as exc:
+        p.error(str(exc))
+        return 2  # not reached
+    except KeyboardInterrupt:
+        print("interrupted; every process and shared-memory object was cleaned up", file=sys.stderr)
+        return 130

@@ -1,0 +1,102 @@
+"""The model options of ``serve``, ``demo`` and ``bench``: which codec, preset, weights, device and
+dtype, and the decoder they build (the only place the tools import torch and the model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..codecs.layout import LAYOUTS
+from ..server.batching import DEFAULT_MAX_BATCH
+
+PRESETS = ("spark-tts-0.5b", "tiny")
+
+
+# Codecs `serve --codec` knows: every layout (model/registry.py has a decoder for each). Each codec
+# but BiCodec has a full-size preset named after it and a tiny one, tiny-RATE (resolve_preset).
+CODECS = tuple(LAYOUTS)
+
+
+CODEC_PRESETS = tuple(dict.fromkeys(p for c in CODECS[1:] for p in (c, f"tiny-{c.split('-')[1]}")))
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", default=None,
+                   help="a Spark-TTS model folder or its BiCodec/ folder; for SNAC a folder with "
+                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz); for DAC "
+                        "descript-audio-codec's weights.pth; default: none, random weights of "
+                        "--preset")  # fmt: skip
+    p.add_argument("--preset", default=None, choices=PRESETS + CODEC_PRESETS,
+                   help="architecture with random weights when no --model-dir is given (default: "
+                        "the codec's full size; tiny: a small one of the same token layout)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--device", default="cpu",
+                   help="torch device, e.g. cuda:0; for serve, several separated by commas "
+                        "(cuda:0,cuda:1) run one server per device as a group")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's own choice, one per core)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype; norms, Snake and audio stay float32 (default float32)")  # fmt: skip
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay CUDA graphs captured over (batch, length) buckets (default off)")  # fmt: skip
+    p.add_argument("--graph-memory-gib", type=float, default=8.0, metavar="GIB",
+                   help="most GPU memory the CUDA graphs may take (default 8)")  # fmt: skip
+
+
+def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCodecDecoder
+    """Build the decoder the command line asks for (imports torch); a ``GraphedDecoder`` with
+    ``--cuda-graphs``. A device this torch cannot use is a one-line ``ValueError``."""
+    import torch
+
+    from ..model.bicodec.buckets import BucketGrid
+    from ..model.bicodec.graphs import GraphedDecoder
+    from ..model.devices import resolve_device
+    from ..model.registry import decoder_class
+
+    device = resolve_device(args.device)
+    dtype = getattr(args, "dtype", "float32")
+    graphs = getattr(args, "cuda_graphs", False)
+    if graphs and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a CUDA --device, got {args.device!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    codec = getattr(args, "codec", "bicodec")
+    preset = resolve_preset(codec, args.preset)
+    if graphs and codec != "bicodec":
+        raise ValueError(f"--cuda-graphs replays BiCodec only; serve {codec} without it")
+    model = decoder_class(codec)
+    if args.model_dir:
+        decoder = model.from_pretrained(args.model_dir, device=device, dtype=dtype)
+        loaded = getattr(decoder.config, "codec_name", "bicodec")
+        if loaded != codec:
+            raise ValueError(f"--model-dir {args.model_dir} holds a {loaded} model, but --codec is {codec}")
+    else:
+        if announce:
+            print(
+                f"bicodec-shm: no --model-dir given: serving the {preset} architecture with "
+                f"RANDOM weights (seed {args.seed}); the audio is noise",
+                file=sys.stderr,
+            )
+        decoder = model.from_config(preset, seed=args.seed, dtype=dtype).to(device)
+    if graphs:
+        # Buckets up to the batches this server forms: with max_batch 16 and the CUDA token
+        # budget (batching.py), 16 x 50 and 8 x 300 are buckets, so they replay unpadded.
+        grid = BucketGrid.for_max_batch(getattr(args, "max_batch", DEFAULT_MAX_BATCH))
+        decoder = GraphedDecoder(decoder, grid=grid, memory_gib=args.graph_memory_gib, mode="graphs")
+    return decoder
+
+
+def resolve_preset(codec: str, preset: str | None) -> str:
+    """The model preset of ``--codec`` and ``--preset``: None is the codec's full size, "tiny"
+    its tiny one (tiny-24khz for snac-24khz); a preset of another codec is refused."""
+    if codec == "bicodec":
+        owners = [c for c in CODECS[1:] if preset in (c, f"tiny-{c.split('-')[1]}")]
+        if owners:
+            raise ValueError(f"--preset {preset} is not a BiCodec model; add --codec {' or '.join(owners)}")
+        return preset or "spark-tts-0.5b"
+    rate = codec.split("-")[1]
+    if preset is None or preset == codec:
+        return codec
+    if preset in ("tiny", f"tiny-{rate}"):
+        return f"tiny-{rate}"
+    raise ValueError(f"--preset {preset} is not a {codec} model; use tiny, tiny-{rate} or {codec}")

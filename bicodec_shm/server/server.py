@@ -243,25 +243,25 @@ class DecoderServer:
             reserved=reserved,
         )
         self.n_bells = slots
-        self._segment.start_serving()
-        if metrics_port is not None:
-            from .metrics import MetricsExporter  # needs prometheus_client: only on this path
+        try:  # from here on, a failure (or a Ctrl-C's KeyboardInterrupt) unlinks what was made
+            self._segment.start_serving()
+            if metrics_port is not None:
+                from .metrics import MetricsExporter  # needs prometheus_client: only on this path
 
-            try:
                 self.metrics = MetricsExporter(self._segment, port=metrics_port, host=metrics_host)
-            except BaseException:
-                self._teardown()
-                raise
-        log.info(
-            "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
-            "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d%s (threads each: %s), mode=%o, "
-            "segment %.1f MiB",
-            name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
-            max_batch_tokens, min_fill, self.device, self.lanes,
-            f" to start, measuring {self._tuner.candidates}" if self._tuner else "",
-            self.threads_per_lane, mode,
-            self._segment.layout.total_size / 2**20,
-        )  # fmt: skip
+            log.info(
+                "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
+                "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d%s (threads each: %s), mode=%o, "
+                "segment %.1f MiB",
+                name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
+                max_batch_tokens, min_fill, self.device, self.lanes,
+                f" to start, measuring {self._tuner.candidates}" if self._tuner else "",
+                self.threads_per_lane, mode,
+                self._segment.layout.total_size / 2**20,
+            )  # fmt: skip
+        except BaseException:
+            self._teardown()
+            raise
 
     @property
     def threads_per_lane(self) -> int | None:

@@ -194,7 +194,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "        return Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)",
       "        att = Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)\n"
       "        for _ in range(self.max_slots):\n"
-      "            att._claim_or_none()\n"
+      "            att._claim_or_none(att.new_seq())\n"
       "        return att",
       "tests/test_client.py", "-k", "claimed_on_demand"),
     # -- issue 16's findings, each brought back -------------------------------------------------
@@ -237,8 +237,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_review_findings.py", "-k", "test_12_"),
     m("f14-ring-before-release", "_release_and_ring posts before the slots leave the held set",
       "bicodec_shm/server/server.py",
-      "            for slot in slots:\n                self._held.pop(slot, None)\n            ring(self.segment, slots, bells)",
-      "            ring(self.segment, slots, bells)\n            for slot in slots:\n                self._held.pop(slot, None)",
+      "            for slot in slots:\n                self._held.pop(slot, None)\n"
+      "            ring(self.segment, slots, bells)",
+      "            ring(self.segment, slots, bells)\n"
+      "            for slot in slots:\n                self._held.pop(slot, None)",
       "tests/test_review_findings.py", "-k", "test_14_"),
     m("f15-dead-members-counted-up", "group totals count a member that does not serve",
       "bicodec_shm/protocol/group.py",
@@ -277,6 +279,41 @@ MUTANTS: tuple[Mutant, ...] = (
       "if lanes is None and not device_like and len(candidates) > 1:",
       "if not device_like and len(candidates) > 1:",
       "tests/test_lane_tuner.py", "-k", "fixed"),
+    # -- issue 28's findings 1, 4 and 5, each brought back ---------------------------------------
+    m("f28-1-release-outside-the-claim-lock", "slots given back and the warm one let go of without the "
+      "claim lock: another thread of the handle re-takes a lock about to be dropped",
+      "bicodec_shm/protocol/attachment.py",
+      "            with self.claim_lock, self.use() as seg:\n                with self.lock:\n"
+      "                    if self.using or self.claimers or not self.owned:",
+      "            with self.use() as seg:\n                with self.lock:\n"
+      "                    if self.using or self.claimers or not self.owned:",
+      "tests/test_client.py", "-k", "never_own_an_unlocked_slot"),
+    m("f28-1-let-go-outside-the-claim-lock", "let_go drops its lock outside the claim lock: a claim "
+      "settles and takes the slot first, and the late unlock drops the claimer's lock",
+      "bicodec_shm/protocol/attachment.py",
+      "        with self.claim_lock:\n            with self.lock:\n"
+      "                if self.retired is not None or self.using.get(slot) != seq:",
+      "        if True:\n            with self.lock:\n"
+      "                if self.retired is not None or self.using.get(slot) != seq:",
+      "tests/test_client.py", "-k", "never_own_an_unlocked_slot"),
+    m("f28-4-try-after-take-slot", "the request's cleanup begins only after take_slot returned",
+      "bicodec_shm/client/decoder_client.py",
+      "            try:\n                slot, _ = att.take_slot(deadline, seq)\n",
+      "            slot, _ = att.take_slot(deadline, seq)\n            try:\n",
+      "tests/test_client.py", "-k", "any_bytecode"),
+    m("f28-4-lock-before-books", "a claim locks a slot before recording it: an exception in between "
+      "leaves it locked and owned by no request",
+      "bicodec_shm/protocol/attachment.py",
+      "                        self.loose.add(slot)  # first: from here its lock may be ours\n"
+      "                        if not seg.try_lock_slot(slot):",
+      "                        if not seg.try_lock_slot(slot):",
+      "tests/test_client.py", "-k", "any_bytecode"),
+    m("f28-5-finish-unholds-by-number", "a lane's finish takes its batch's slots out of the held set "
+      "by number, also where another lane holds them again",
+      "bicodec_shm/server/server.py",
+      "                if self._held.get(slot) == seen:\n                    del self._held[slot]",
+      "                self._held.pop(slot, None)",
+      "tests/test_server.py", "-k", "never_unholds_a_slot_another_lane_holds"),
     m("stale-confirmed-row-kept", "a slot batched and confirmed again keeps its old checked row too",
       "bicodec_shm/server/server.py",
       "if confirmed.get(s) == t]",

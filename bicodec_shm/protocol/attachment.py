@@ -30,8 +30,8 @@ memory-ordering rule.
   server's last write and post to it. A client frees a slot itself only in state CLAIMED.
 - **Threads and interruptions.** Threads share one attachment, and so one lock descriptor: a
   slot lock that one thread holds, another thread of ours "takes" again at once. So every step
-  that drops a slot's lock (giving slots back, letting go of the warm one) runs under the
-  claim lock, like every claim. An exception from a signal handler may land between any two
+  that drops a slot's lock (giving slots back, letting go of the warm slot or of a request's)
+  runs under the claim lock, like every claim. An exception from a signal handler may land between any two
   bytecodes of the main thread: every step records first what it is about to do to a lock
   (``loose``: slots whose lock may be ours that no request owns), so that whatever an
   interruption leaves, ``abandon`` (the caller's cleanup) and the next claim finish

@@ -716,7 +716,7 @@ def test_a_storm_of_signal_handler_exceptions_never_wedges_the_handle_or_the_slo
         stop.set()
         signal.signal(signal.SIGUSR1, previous)
     assert counts["interrupted"] > 50 and counts["answered"] > 50, counts
-    code = (f"from bicodec_shm.client import DecoderClient; "
+    code = (f"from bicodec_shm.client.decoder_client import DecoderClient; "
             f"print(DecoderClient({shm_name!r}, timeout=5).decode([1, 2, 3], {GLB!r}).shape)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"({3 * HOP},)", out.stderr[-2000:]

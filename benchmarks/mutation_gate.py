@@ -269,6 +269,18 @@ MUTANTS: tuple[Mutant, ...] = (
       "        except posix_ipc.ExistentialError:  # unlinked since our lock descriptor's open (a restart)\n",
       "        except ZeroDivisionError:  # unlinked since our lock descriptor's open (a restart)\n",
       "tests/test_attach_races.py"),
+    m("slot-wait-on-a-condition", "waiting for one of the handle's own slots with threading.Condition.wait "
+      "on the handle's lock: a signal handler's exception inside it releases that lock twice",
+      "bicodec_shm/protocol/attachment.py",
+      "                with self.lock:\n                    waiter = None\n"
+      "                    if not self.owned.difference(self.using) and self.retired is None:\n"
+      "                        waiter = self.changed.add()\n"
+      "                if waiter is not None:\n"
+      "                    self._sleep(waiter, min(SLICE, max(0.0, deadline - time.monotonic())))\n",
+      "                with self.lock:\n"
+      "                    if not self.owned.difference(self.using) and self.retired is None:\n"
+      "                        threading.Condition(self.lock).wait(min(SLICE, max(0.0, deadline - time.monotonic())))\n",
+      "tests/test_signal_waits.py", "-k", "any_point"),
     m("lane-tuner-keeps-the-slower", "the lane tuner settles on the arrangement measured slower",
       "bicodec_shm/server/lane_tuner.py",
       "best = min(means, key=means.__getitem__)\n        incumbent = self._incumbent",

@@ -109,7 +109,7 @@ class Attachment:
         self.handle_id = secrets.randbits(63)
         self.seq = itertools.count(1)
         self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)  # a slot came back, or users dropped
+        self.changed = _Wakeups()  # a slot came back, or users dropped (under ``lock``)
         self.owned: set[int] = set()  # slots whose lock we hold, each in use or idle
         self.idle: list[int] = []  # a hint: owned slots not in use, the most recently used last
         self.warm: tuple[int, int] | None = None  # (slot, claim epoch) let go of while warm
@@ -217,9 +217,22 @@ class Attachment:
                 self._wait_for_segment_slot(deadline)
             else:
                 with self.lock:
+                    waiter = None
                     if not self.owned.difference(self.using) and self.retired is None:
-                        self.changed.wait(min(SLICE, max(0.0, deadline - time.monotonic())))
+                        waiter = self.changed.add()
+                if waiter is not None:
+                    self._sleep(waiter, min(SLICE, max(0.0, deadline - time.monotonic())))
             self._check_slot_wait(deadline)
+
+    def _sleep(self, waiter: threading.Lock, timeout: float) -> None:
+        """Sleep on ``waiter`` (from ``changed.add()``) until woken or ``timeout``; outside the
+        attachment's lock, so that an exception from a signal handler here leaves that lock as
+        it was (see ``_Wakeups``)."""
+        try:
+            waiter.acquire(timeout=timeout)
+        finally:
+            with self.lock:
+                self.changed.discard(waiter)
 
     async def take_slot_async(self, deadline: float, seq: int | None = None) -> tuple[int, int]:
         """``take_slot`` for asyncio: never blocks the event loop."""
@@ -397,7 +410,7 @@ class Attachment:
                 return  # retired (the slots go with the attachment), or given back already
             del self.using[slot]  # one store: the slot is idle (owned, not in use)
             self.idle.append(slot)
-            self.changed.notify()
+            self.changed.notify_all()
             if self.async_slot_waiters:
                 _resolve(*self.async_slot_waiters.popleft(), None, True)
                 return
@@ -422,7 +435,7 @@ class Attachment:
                 self.loose.add(slot)
                 self.owned.discard(slot)
                 del self.using[slot]
-                self.changed.notify()
+                self.changed.notify_all()
             try:
                 with self.use() as seg:
                     seg.unlock_slot(slot)
@@ -744,8 +757,13 @@ class Attachment:
         waiter = self.waiter
         if waiter is not None and waiter is not threading.current_thread():
             waiter.join(wait)
-        with self.lock:
-            self.changed.wait_for(lambda: not self.users, timeout=wait)
+        until = time.monotonic() + wait
+        while True:
+            with self.lock:
+                if not self.users or time.monotonic() >= until:
+                    break
+                waiter = self.changed.add()
+            self._sleep(waiter, max(0.0, until - time.monotonic()))
         self._unmap()
 
     def _unmap(self) -> None:
@@ -784,6 +802,39 @@ class Attachment:
         seg, self.segment = self.segment, None
         if seg is not None:
             seg.close()
+
+
+class _Wakeups:
+    """Threads waiting for a change of the attachment (a slot of ours back, the last user
+    gone), woken by whoever makes it. Every method is called with the attachment's lock held.
+
+    Not ``threading.Condition``: its ``wait`` releases the lock it waits with and re-takes it
+    in Python code, where a signal handler's exception can land between the two (after the
+    release, before its ``try``; or in the re-take). The caller's ``with`` then releases the
+    lock a second time, dropping another thread's hold under it (mutual exclusion gone, and
+    that thread's own release raises ``RuntimeError``), or the lock ends up held by nobody.
+    Here each waiter sleeps on a lock of its own, outside the attachment's lock, which is only
+    ever taken with ``with``."""
+
+    def __init__(self) -> None:
+        self.waiters: list[threading.Lock] = []
+
+    def add(self) -> threading.Lock:
+        waiter = threading.Lock()
+        waiter.acquire()  # released once, by the ``notify_all`` that takes it off the list
+        self.waiters.append(waiter)
+        return waiter
+
+    def discard(self, waiter: threading.Lock) -> None:
+        if waiter in self.waiters:
+            self.waiters.remove(waiter)
+
+    def notify_all(self) -> None:
+        # Off the list first, then released: each waiter exactly once, even if this is cut
+        # short (one not released yet wakes at its timeout, a slice at most).
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            waiter.release()
 
 
 def _ask_for_a_slot(seg: Segment) -> None:

@@ -55,6 +55,7 @@ the folder (``BICODEC_SHM_SOAK_DEBUG=1`` also records every error's message).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dis
 import json
 import os
@@ -64,6 +65,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -120,15 +122,18 @@ class SoakResult:
 
 # -- the client process ------------------------------------------------------------------
 
-# The package's own code, where injected exceptions land (this harness excluded).
+# Where injected exceptions land: the package's own code (this harness excluded), and the
+# standard library's Python code it runs (its locks' conditions, its context managers), where a
+# signal lands as well as anywhere.
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HARNESS = os.path.abspath(__file__)
-# Injection points (``_Injector``) that one call passes in the package's code, about (measured
-# on CPython 3.11: a warm decode 124, a churn cycle of attach, decode and close 461; more when a
-# call waits or retries): an injection picks one of the first SPAN at random, so it lands
-# anywhere in the call, its clean-ups included, and now and then past the end of a short one.
-_DECODE_POINTS = 160
-_CHURN_POINTS = 560
+_INJECTED = (_PACKAGE, threading.__file__, contextlib.__file__)
+# Injection points (``_Injector``) that one call passes, about (measured on CPython 3.11: a warm
+# decode 170, a churn cycle of attach, decode and close 510; more when a call waits or
+# retries): an injection picks one of the first SPAN at random, so it lands anywhere in the
+# call, its clean-ups included, and now and then past the end of a short one.
+_DECODE_POINTS = 220
+_CHURN_POINTS = 620
 FORK_REQUESTS = 20  # a decoding child's requests, at most
 FORK_SECONDS = 15.0  # a decoding child starts no request after this; its exit must follow its last call
 BARE_FORK_EXIT = 20.0  # seconds a forked child may take to exit before it counts as hung
@@ -201,7 +206,7 @@ class _Injector:
                 in_finalizer[0] += 1
                 return finalizer
             path = frame.f_code.co_filename
-            if in_finalizer[0] or not path.startswith(_PACKAGE) or path == _HARNESS:
+            if in_finalizer[0] or not path.startswith(_INJECTED) or path == _HARNESS:
                 return None
             frame.f_trace_opcodes = True
             code = frame.f_code.co_code
@@ -260,7 +265,6 @@ def client_main(argv: list[str]) -> int:
     import asyncio
     import faulthandler
     import signal
-    import threading
     import warnings
 
     from ..client.decoder_client import DecoderClient
@@ -490,8 +494,6 @@ class _Log:
     """One client's log: a line per event, line-buffered (a SIGKILL loses nothing written)."""
 
     def __init__(self, path: str) -> None:
-        import threading
-
         self.path = path
         self.lock = threading.Lock()
         self.file = open(path, "a", buffering=1)
@@ -508,8 +510,6 @@ class _Log:
         """In a forked child: a log of its own (the parent's lock may have been held at fork).
         The parent's file object is kept, never closed nor flushed here: another thread may
         have been writing a line into its buffer at the fork."""
-        import threading
-
         self.abandoned = self.file
         self.path, self.lock = path, threading.Lock()
         self.file = open(path, "a", buffering=1)

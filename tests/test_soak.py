@@ -123,6 +123,20 @@ def test_injected_exceptions_land_only_where_cpython_runs_signal_handlers_and_re
     # jumps. None between the store and the pop: ``books`` never keeps the slot.
     assert raised == 7
 
+    def failing() -> None:  # a call into C that raises inside the block
+        with lock:
+            books.pop("missing")
+
+    failing.__code__ = failing.__code__.replace(co_filename=step.__code__.co_filename)
+    for k in range(1, 20):
+        try:
+            soak._Injector(1.0, Exactly(k)).run(failing, 100)  # type: ignore[arg-type]
+        except (soak.Injected, KeyError):
+            pass
+        # No point on the way into the block's handler (no signal is checked there): the
+        # handler's __exit__ always runs.
+        assert not lock.locked(), f"point {k} landed between the error and the block's __exit__"
+
 
 def test_a_forked_child_that_does_not_exit_in_time_counts_as_hung(tmp_path):
     from bicodec_shm.tools import soak

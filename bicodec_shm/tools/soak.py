@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dis
+import functools
 import json
 import os
 import random
@@ -168,6 +169,13 @@ _PRECALL = _OP.get("PRECALL", -1)  # 3.11: a specialized PRECALL makes the call 
 _BACKWARD = {_OP[n] for n in ("JUMP_BACKWARD", "JUMP_ABSOLUTE") if n in _OP}
 
 
+@functools.lru_cache(maxsize=None)
+def _next_instruction(code) -> dict[int, int]:
+    """Offset of each instruction of ``code`` -> offset of the one after it (caches skipped)."""
+    offsets = [i.offset for i in dis.get_instructions(code)]
+    return dict(zip(offsets, offsets[1:]))
+
+
 class _Injector:
     """Runs a call, and for a share of calls raises ``Injected`` at a random one of the points
     where a signal handler's exception could arrive in the package's code while it runs
@@ -210,15 +218,23 @@ class _Injector:
                 return None
             frame.f_trace_opcodes = True
             code = frame.f_code.co_code
-            last = [-1, frames_entered[0]]  # this frame's previous opcode; frames entered then
+            after = _next_instruction(frame.f_code)
+            last = [-1, frames_entered[0]]  # this frame's previous instruction; frames entered then
 
             def step(frame, event, arg):
                 if event == "opcode":
-                    op = code[frame.f_lasti]
+                    at = frame.f_lasti
                     prev, c_call = last[0], frames_entered[0] == last[1]
-                    last[0], last[1] = op, frames_entered[0]
-                    called_c = c_call and (prev in _CALLS or (prev == _PRECALL and op not in _CALLS))
-                    if called_c or prev in _BACKWARD:
+                    last[0], last[1] = at, frames_entered[0]
+                    if prev < 0:
+                        return step
+                    op = code[prev]
+                    # A call into C that *returned* (the next instruction runs, not a handler:
+                    # CPython checks for signals on the way out of a call that succeeded only).
+                    returned = c_call and (
+                        (op in _CALLS and at == after.get(prev))
+                        or (op == _PRECALL and at == after.get(after.get(prev, -1))))
+                    if returned or op in _BACKWARD:
                         point()
                 return step
 

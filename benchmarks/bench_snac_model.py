@@ -26,6 +26,7 @@ import os
 import platform
 import statistics
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,10 @@ def bench_quality(model: SNACDecoder, frames: int = 8) -> dict[str, float | None
 
 def _vs_snac(model: SNACDecoder, codes: list[torch.Tensor]) -> float | None:
     try:
-        import snac
+        with warnings.catch_warnings():
+            # snac 1.2.1 wraps its Snake in torch.jit.script, deprecated since torch 2.10.
+            warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated")
+            import snac
     except ImportError:
         return None
     from unittest import mock

@@ -59,6 +59,74 @@ def m(name: str, why: str, file: str, old: str, new: str, *tests: str, timeout: 
 
 
 MUTANTS: tuple[Mutant, ...] = (
+    # -- issue 28: fork, limits, internal errors, squatted names, signals -------------------------
+    Mutant("f28-3-sem-open-close-release-the-gil",
+           "sem_open/sem_close through ctypes.CDLL: a fork inside one leaves glibc's lock held",
+           (("bicodec_shm/protocol/semwait.py", "_sem_open = _libc_gil.sem_open",
+             "_sem_open = _libc.sem_open"),
+            ("bicodec_shm/protocol/semwait.py", "_sem_close = _libc_gil.sem_close",
+             "_sem_close = _libc.sem_close")),
+           ("tests/test_semwait.py", "-k", "fork_while_threads"), timeout=240.0),
+    m("f28-9-early-check-uses-the-last-server-s-limit",
+      "decode() refuses what the server last attached could not hold, not what no server could",
+      "bicodec_shm/client/decoder_client.py", "max_len=MAX_FRAMES, limit=ANY_SLOT_LIMIT)  # fmt: skip",
+      "max_len=self._att.max_tokens if self._att is not None else MAX_FRAMES,\n"
+      "                                  limit=ANY_SLOT_LIMIT)  # fmt: skip",
+      "tests/test_client_boundary.py", "-k", "larger_max_tokens"),
+    m("f28-9-a-stale-attachment-refuses-by-its-limits",
+      "a request that does not fit an attachment whose server went away is refused, not resubmitted",
+      "bicodec_shm/client/decoder_client.py",
+      "        att.check_alive()  # raises Gone (and retires the attachment) if its server went away\n", "",
+      "tests/test_client_boundary.py", "-k", "larger_max_tokens"),
+    m("f28-10-a-replaced-group-router-raises-gone",
+      "a call that picks from a group router another thread retired gets Gone('')",
+      "bicodec_shm/client/router.py",
+      "            if isinstance(self._closed, Gone):\n"
+      "                return None  # replaced (the group under the name changed): the caller looks again\n",
+      "", "tests/test_client_boundary.py", "-k", "group-replaced"),
+    m("f28-10-re-attach-past-the-deadline",
+      "a server that serves but fails every attachment keeps a call re-attaching for ever",
+      "bicodec_shm/client/decoder_client.py",
+      "        if now >= deadline:\n            raise self._lost_error(exc)\n", "",
+      "tests/test_client_boundary.py", "-k", "semaphores_were_removed"),
+    m("f28-11-another-user-s-semaphore-stops-the-clean-up",
+      "a PermissionsError unlinking another user's semaphore escapes and leaves our objects",
+      "bicodec_shm/protocol/names.py",
+      "            except posix_ipc.PermissionsError:\n"
+      "                pass  # another user's, in the sticky /dev/shm: not ours to remove (create says so)\n",
+      "", "tests/test_squatted_names.py", timeout=300.0),
+    m("f28-12-snac-s-jit-warning-silenced-as-deprecation-only",
+      "only DeprecationWarning filtered: torch 2.14's FutureWarning stops collecting test_snac_model",
+      "tests/test_snac_model.py", 'warnings.filterwarnings("ignore", JIT_DEPRECATED)',
+      'warnings.filterwarnings("ignore", JIT_DEPRECATED, DeprecationWarning)',
+      "tests/test_snac_model.py", "-k", "jit_deprecation"),
+    m("f28-13-readme-servers-inherit-the-run-s-ignored-sigint",
+      "the README's servers start with the test run's SIGINT disposition (ignored in `pytest &`)",
+      "tests/test_readme.py",
+      'argv = [sys.executable, "-c", AT_DEFAULT_SIGINT, "bash", "-c", f"exec {command}"]',
+      'argv = ["bash", "-c", f"exec {command}"]',
+      "tests/test_readme.py", "-k", "background_command"),
+    m("f28-13-sigterm-while-starting-kills-without-clean-up",
+      "no stop handlers during start-up: SIGTERM kills serve and leaves the reserved name",
+      "bicodec_shm/server/signals.py", "self._restore = on_stop_signals(self._on_signal)",
+      "self._restore = lambda: None",
+      "tests/test_server_signals.py::test_a_stop_signal_at_any_moment_stops_the_server_promptly_and_"
+      "leaves_nothing[name reserved-SIGTERM]",
+      "tests/test_server_signals.py::test_the_start_up_s_signal_handling_is_restored_afterwards"),
+    m("f28-13-ctrl-c-after-the-segment-exists-leaks-it",
+      "an exception after Segment.create in DecoderServer.__init__ leaves the segment behind",
+      "bicodec_shm/server/server.py",
+      "            )  # fmt: skip\n        except BaseException:\n"
+      "            self._teardown()\n            raise\n",
+      "            )  # fmt: skip\n        except BaseException:\n            raise\n",
+      "tests/test_server_signals.py", "-k", "announces_itself"),
+    m("f28-13-interrupted-reservation-left-behind",
+      "an interrupt between creating the name and returning it leaves the name's file",
+      "bicodec_shm/protocol/names.py", "        _remove_unowned_reservation(name)\n        raise\n",
+      "        raise\n", "tests/test_server_signals.py", "-k", "interrupt_between"),
+    m("f28-13-no-stack-dump-on-sigusr1", "SIGUSR1 does not print a serving server's stacks",
+      "bicodec_shm/tools/cli.py", "    dumps = _register_stack_dumps()\n", "    dumps = False\n",
+      "tests/test_server_signals.py", "-k", "sigusr1"),
     # -- issue 21's table ------------------------------------------------------------------------
     m("snake-without-1/alpha", "Snake as x + sin²(αx)", "bicodec_shm/model/modules.py",
       "return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)",
@@ -126,7 +194,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "        return Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)",
       "        att = Attachment(self.name, max_slots=self.max_slots, owner_uid=self.owner_uid)\n"
       "        for _ in range(self.max_slots):\n"
-      "            att._claim_or_none()\n"
+      "            att._claim_or_none(att.new_seq())\n"
       "        return att",
       "tests/test_client.py", "-k", "claimed_on_demand"),
     # -- issue 16's findings, each brought back -------------------------------------------------
@@ -169,14 +237,50 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_review_findings.py", "-k", "test_12_"),
     m("f14-ring-before-release", "_release_and_ring posts before the slots leave the held set",
       "bicodec_shm/server/server.py",
-      "            self._held.difference_update(slots)\n            ring(self.segment, slots, bells)",
-      "            ring(self.segment, slots, bells)\n            self._held.difference_update(slots)",
+      "            for slot in slots:\n                self._held.pop(slot, None)\n"
+      "            ring(self.segment, slots, bells)",
+      "            ring(self.segment, slots, bells)\n"
+      "            for slot in slots:\n                self._held.pop(slot, None)",
       "tests/test_review_findings.py", "-k", "test_14_"),
     m("f15-dead-members-counted-up", "group totals count a member that does not serve",
       "bicodec_shm/protocol/group.py",
       'up = [m for m in members if "requests" in m and m.get("server_alive")]',
       'up = [m for m in members if "requests" in m]',
       "tests/test_review_findings.py", "-k", "test_15_"),
+    # -- waiting for a slot, waiting without a bell ----------------------------------------------
+    m("claim-waits-for-the-reap-tick", "the server ignores a claimer that asks for a slot: idle "
+      "handles' warm slots come back only at the reaper's next tick",
+      "bicodec_shm/server/server.py",
+      "        elif asked:\n            self.reap(asked=True)\n",
+      "",
+      "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick"),
+    m("claimer-never-asks-for-a-slot", "a claimer that finds no FREE slot sleeps on `free` without telling "
+      "the server", "bicodec_shm/protocol/attachment.py",
+      "            _ask_for_a_slot(seg)\n            seg.wait(seg.free, timeout)",
+      "            seg.wait(seg.free, timeout)",
+      "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick and sync"),
+    m("no-bell-polls-at-the-slice", "_claim_bell returns NO_BELL but leaves self.bell None: the waiter "
+      "sleeps whole 100 ms slices", "bicodec_shm/protocol/attachment.py",
+      "                self.bell = NO_BELL\n                return NO_BELL",
+      "                return NO_BELL",
+      "tests/test_waiting_latency.py", "-k", "no_bell"),
+    m("attach-leaks-ExistentialError", "a segment unlinked between the lock open and the mapping's "
+      "open raises posix_ipc's ExistentialError to the caller", "bicodec_shm/protocol/segment.py",
+      "        except posix_ipc.ExistentialError:  # unlinked since our lock descriptor's open (a restart)\n",
+      "        except ZeroDivisionError:  # unlinked since our lock descriptor's open (a restart)\n",
+      "tests/test_attach_races.py"),
+    m("slot-wait-on-a-condition", "waiting for one of the handle's own slots with threading.Condition.wait "
+      "on the handle's lock: a signal handler's exception inside it releases that lock twice",
+      "bicodec_shm/protocol/attachment.py",
+      "                with self.lock:\n                    waiter = None\n"
+      "                    if not self.owned.difference(self.using) and self.retired is None:\n"
+      "                        waiter = self.changed.add()\n"
+      "                if waiter is not None:\n"
+      "                    self._sleep(waiter, min(SLICE, max(0.0, deadline - time.monotonic())))\n",
+      "                with self.lock:\n"
+      "                    if not self.owned.difference(self.using) and self.retired is None:\n"
+      "                        threading.Condition(self.lock).wait(min(SLICE, max(0.0, deadline - time.monotonic())))\n",
+      "tests/test_signal_waits.py", "-k", "any_point"),
     m("lane-tuner-keeps-the-slower", "the lane tuner settles on the arrangement measured slower",
       "bicodec_shm/server/lane_tuner.py",
       "best = min(means, key=means.__getitem__)\n        incumbent = self._incumbent",
@@ -187,6 +291,41 @@ MUTANTS: tuple[Mutant, ...] = (
       "if lanes is None and not device_like and len(candidates) > 1:",
       "if not device_like and len(candidates) > 1:",
       "tests/test_lane_tuner.py", "-k", "fixed"),
+    # -- issue 28's findings 1, 4 and 5, each brought back ---------------------------------------
+    m("f28-1-release-outside-the-claim-lock", "slots given back and the warm one let go of without the "
+      "claim lock: another thread of the handle re-takes a lock about to be dropped",
+      "bicodec_shm/protocol/attachment.py",
+      "            with self.claim_lock, self.use() as seg:\n                with self.lock:\n"
+      "                    if self.using or self.claimers or not self.owned:",
+      "            with self.use() as seg:\n                with self.lock:\n"
+      "                    if self.using or self.claimers or not self.owned:",
+      "tests/test_client.py", "-k", "never_own_an_unlocked_slot"),
+    m("f28-1-let-go-outside-the-claim-lock", "let_go drops its lock outside the claim lock: a claim "
+      "settles and takes the slot first, and the late unlock drops the claimer's lock",
+      "bicodec_shm/protocol/attachment.py",
+      "        with self.claim_lock:\n            with self.lock:\n"
+      "                if self.retired is not None or self.using.get(slot) != seq:",
+      "        if True:\n            with self.lock:\n"
+      "                if self.retired is not None or self.using.get(slot) != seq:",
+      "tests/test_client.py", "-k", "never_own_an_unlocked_slot"),
+    m("f28-4-try-after-take-slot", "the request's cleanup begins only after take_slot returned",
+      "bicodec_shm/client/decoder_client.py",
+      "            try:\n                slot, _ = att.take_slot(deadline, seq)\n",
+      "            slot, _ = att.take_slot(deadline, seq)\n            try:\n",
+      "tests/test_client.py", "-k", "any_bytecode"),
+    m("f28-4-lock-before-books", "a claim locks a slot before recording it: an exception in between "
+      "leaves it locked and owned by no request",
+      "bicodec_shm/protocol/attachment.py",
+      "                        self.loose.add(slot)  # first: from here its lock may be ours\n"
+      "                        if not seg.try_lock_slot(slot):",
+      "                        if not seg.try_lock_slot(slot):",
+      "tests/test_client.py", "-k", "any_bytecode"),
+    m("f28-5-finish-unholds-by-number", "a lane's finish takes its batch's slots out of the held set "
+      "by number, also where another lane holds them again",
+      "bicodec_shm/server/server.py",
+      "                if self._held.get(slot) == seen:\n                    del self._held[slot]",
+      "                self._held.pop(slot, None)",
+      "tests/test_server.py", "-k", "never_unholds_a_slot_another_lane_holds"),
     m("stale-confirmed-row-kept", "a slot batched and confirmed again keeps its old checked row too",
       "bicodec_shm/server/server.py",
       "if confirmed.get(s) == t]",

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dis
 import os
+import random
+import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -357,3 +361,362 @@ def test_threads_of_one_handle_never_claim_the_same_slot(thread_server, shm_name
             t.join(30)
     for (s, g), pcm in zip(reqs, results):
         np.testing.assert_allclose(pcm, single_decode(s, g), atol=1e-5, rtol=0)
+
+
+class _WatchedLock:
+    """A handle's claim lock that shows which thread holds it and which wait for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holder: int | None = None
+        self.waiting: set[int] = set()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = threading.get_ident()
+        self.waiting.add(me)
+        try:
+            got = self._lock.acquire(blocking, timeout)
+        finally:
+            self.waiting.discard(me)
+        if got:
+            self.holder = me
+        return got
+
+    def release(self) -> None:
+        self.holder = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+_TRY_LOCK = (
+    "import sys\n"
+    "from bicodec_shm.protocol.segment import Segment\n"
+    "seg = Segment.attach(sys.argv[1])\n"
+    "print(' '.join(str(int(seg.try_lock_slot(int(s)))) for s in sys.argv[2:]))\n"
+)
+
+
+def _another_process_takes(name: str, slots) -> list[bool]:
+    """Which of ``slots`` a client in another process could lock (claim) right now."""
+    slots = sorted(slots)
+    out = subprocess.run([sys.executable, "-c", _TRY_LOCK, name, *map(str, slots)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout.split()  # fmt: skip
+    return [bool(int(v)) for v in out]
+
+
+@pytest.mark.parametrize("dropped", ["warm", "surplus", "let go"])
+def test_threads_sharing_a_handle_never_own_an_unlocked_slot(thread_server, shm_name, dropped):
+    """A release (the surplus slot given back, or the warm one let go of) once dropped its lock
+    outside the claim lock: a claim in another thread of the same handle "re-took" that lock
+    (the same open file description holds it, so the lock call succeeds) and owned the slot,
+    then the release's unlock dropped it. That thread then owned a slot nobody had locked: the
+    reaper frees it under its request (lost), and another process can claim it while tokens are
+    being written there (wrong audio). Here the step that drops the lock stops right before its
+    unlock while a second thread claims: the claim must wait for it, and whatever slot it gets,
+    no other process can lock. (Letting go of a slot takes the claim lock too: otherwise the
+    claim, finishing steps that interruptions left, frees that CLAIMED slot and takes it, and
+    the late unlock drops its lock.)"""
+    let_go = dropped == "let go"
+    # One slot to let go of, which the reaper must then free for the claimer; else two, and no
+    # reaper tick during the test.
+    server = thread_server(slots=1 if let_go else 2, reap_interval=0.05 if let_go else 3600)
+    with DecoderClient(shm_name, slots=2, timeout=20) as client:
+        client.decode([1, 2, 3], GLB)
+        att = client._att
+        deadline = time.monotonic() + 20
+        if not let_go:
+            first, q1 = att.take_slot(deadline)
+        second, q2 = att.take_slot(deadline)
+        if not let_go:
+            att.give(first, q1)  # idle: request q2 is still in flight
+        # When q2 is given back the handle is quiescent: `first` goes back to the segment (the
+        # surplus, least recently used) and `second` stays warm. Or q2 lets go of `second`.
+        target = first if dropped == "surplus" else second
+        claim_lock = att.claim_lock = _WatchedLock()
+        seg = att.segment
+        unlock = seg.unlock_slot
+        releaser: list[int] = []
+        at_unlock, claimed = threading.Event(), threading.Event()
+
+        def paused_unlock(slot: int) -> None:
+            if slot == target and threading.get_ident() in releaser and not at_unlock.is_set():
+                at_unlock.set()
+                # Until the other thread has claimed (it could: the old release held no claim
+                # lock), or waits for the claim lock that this release holds (today's).
+                end = time.monotonic() + 3  # (or, should it wait elsewhere, a while)
+                while time.monotonic() < end and not claimed.is_set():
+                    if claim_lock.holder == releaser[0] and claim_lock.waiting:
+                        break
+                    time.sleep(0.001)
+            unlock(slot)
+
+        seg.unlock_slot = paused_unlock  # this segment's calls only
+
+        def release() -> None:
+            releaser.append(threading.get_ident())
+            if let_go:
+                att.let_go(second, q2)  # (its caller gave up on it: a timeout, say)
+            else:
+                att.give(second, q2)
+
+        got = []
+
+        def claim() -> None:
+            got.append(att.take_slot(time.monotonic() + 20))
+            claimed.set()
+
+        releasing = threading.Thread(target=release)
+        releasing.start()
+        try:
+            assert at_unlock.wait(10), "the release never reached the unlock"
+            claiming = threading.Thread(target=claim)
+            claiming.start()
+            claiming.join(20)
+            releasing.join(20)
+        finally:
+            del seg.unlock_slot
+        assert got, "the claim never completed"
+        slot, seq = got[0]
+        assert slot in att.owned
+        # The slot this thread owns is locked: no other process can claim it under its request.
+        assert _another_process_takes(shm_name, [slot]) == [False]
+        att.give(slot, seq)
+    assert (server.segment.slots["state"] == SlotState.FREE).all()
+
+
+class _Silence:
+    """A decoder that answers at once with silence: the handle's own steps, not the model's
+    arithmetic, take the time."""
+
+    def detokenize(self, semantic_ids, global_ids, lengths):
+        import torch
+
+        return torch.zeros(semantic_ids.shape[0], HOP * semantic_ids.shape[1])
+
+
+def test_threads_sharing_a_handle_keep_every_owned_slot_locked_under_load(thread_server, shm_name):
+    """The same race, left to chance: three threads share one handle and decode back to back
+    while a watcher checks, under the handle's lock (so that no step is half seen), that every
+    slot the handle owns is locked as another open file description sees it. The old release
+    lost this within seconds; a bounded run here, beside the forced interleaving above."""
+    server = thread_server(_Silence(), slots=3, reap_interval=0.05)
+    seg = server.segment  # the server's own descriptor: it sees the handle's locks from outside
+    bad: list[tuple[int, set]] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns every few bytecodes: far more interleavings
+    stop = time.monotonic() + 2.0
+    with DecoderClient(shm_name, slots=3, timeout=30) as client:
+        client.decode([1, 2, 3], GLB)
+        att = client._att
+
+        def work(i: int) -> int:
+            done = 0
+            while time.monotonic() < stop:
+                client.decode([1 + i, 2, 3], GLB)
+                done += 1
+            return done
+
+        def watch() -> None:
+            while time.monotonic() < stop:
+                with att.lock:
+                    unlocked = {s for s in att.owned if not seg.slot_owned_elsewhere(s)}
+                if unlocked:
+                    bad.append((len(bad), unlocked))
+                time.sleep(0.0005)
+
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                watcher = pool.submit(watch)
+                counts = [f.result(timeout=60) for f in [pool.submit(work, i) for i in range(3)]]
+                watcher.result(timeout=60)
+        finally:
+            sys.setswitchinterval(switch)
+    assert not bad, f"owned slots without a lock: {bad[:5]}"
+    assert min(counts) > 0
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises: Ctrl-C's KeyboardInterrupt, a SIGALRM deadline."""
+
+
+# Where a request's slot changes hands: the handle's steps, the client's call around them, the
+# segment's lock and semaphore calls. Not the waits (how many bytecodes a wait runs depends on
+# timing), nor the input's validation (nothing is taken yet).
+_STEPS = {"attachment.py": None, "transport.py": None, "client.py": {"_decode", "_submit"}}
+_NOT_STEPS = {"wait_result", "wait", "_wait_for_segment_slot"}
+
+
+def _is_step(code) -> bool:
+    path = code.co_filename
+    if f"{os.sep}bicodec_shm{os.sep}" not in path or code.co_name in _NOT_STEPS:
+        return False
+    names = _STEPS.get(os.path.basename(path), ())
+    return names is None or code.co_name in names
+
+
+# The points where CPython runs a signal handler, and so where its exception lands: a
+# function's start (a generator's resumption too), right after a call returns, a backward
+# jump. (Not just any bytecode: between the last call of a ``with`` block's body and its
+# ``__exit__`` no handler runs, and raising there would leak even a plain ``threading.Lock``.)
+_CHECKS_AFTER = {dis.opmap[op] for op in ("CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD") if op in dis.opmap}
+
+
+def _run_interrupted_at(call, n: int | None):
+    """Run ``call()`` in this thread, raising ``_Interrupt`` at the ``n``-th point where a
+    signal handler could run in a step (None: only count them). Returns (points counted, where
+    it was raised or None, call's result or its exception)."""
+    count, where, last = [0], [None], {}
+
+    def interrupt_here(frame) -> None:
+        count[0] += 1
+        if count[0] == n:
+            code = frame.f_code
+            where[0] = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}"
+            raise _Interrupt(where[0])  # the trace function is unset with it
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            if last.get(id(frame)) in _CHECKS_AFTER:
+                interrupt_here(frame)
+            last[id(frame)] = frame.f_code.co_code[frame.f_lasti]
+        return local
+
+    def tracer(frame, event, arg):
+        if event != "call" or not _is_step(frame.f_code):
+            return None
+        last.pop(id(frame), None)
+        interrupt_here(frame)
+        frame.f_trace_opcodes = True
+        return local
+
+    sys.settrace(tracer)
+    try:
+        outcome = call()
+    except _Interrupt as exc:
+        outcome = exc
+    finally:
+        sys.settrace(None)
+    return count[0], where[0], outcome
+
+
+@pytest.mark.parametrize("path", ["warm", "claim"])
+def test_an_exception_at_any_bytecode_of_a_request_leaves_no_slot_locked_or_booked(thread_server, shm_name,
+                                                                                   path):  # fmt: skip
+    """A signal handler's exception (SIGALRM deadlines, Celery's soft time limits, Ctrl-C) may
+    land between any two steps. Steps that locked a slot before booking it, or unbooked it
+    before unlocking, or a try that began only after the slot was taken, left a slot locked and
+    owned by no request: the reaper can never free it, and with every slot so lost the handle,
+    and then fresh clients in other processes, time out waiting for one. Here one request is
+    interrupted at each point of its ownership steps where a handler could run, in turn, on
+    the warm-slot path and on the claim path (a fresh handle): right after each, the handle
+    holds no lock and books nothing; and at the end a client in another process decodes on the
+    server's one slot."""
+    server = thread_server(slots=1, reap_interval=3600)  # only the test reaps, when it means to
+    seg = server.segment
+    req = ([5, 6, 7], GLB)
+    clients = [DecoderClient(shm_name, slots=1, timeout=5)]
+
+    def start_of_path() -> DecoderClient:
+        """Everything back to the segment (a request let go of is reaped once answered); then
+        the state the path starts from: a warm slot of the handle's, or a fresh handle."""
+        def reaped() -> bool:
+            server.reap()
+            return int(seg.slots["state"][0]) == SlotState.FREE
+
+        wait_for(reaped, 10, "the slot to come back")
+        if path == "claim":
+            clients.pop().close()
+            clients.append(DecoderClient(shm_name, slots=1, timeout=5))
+        else:
+            clients[-1].decode(*req)  # leaves its slot warm
+        return clients[-1]
+
+    try:
+        client = start_of_path()
+        total, _, _ = _run_interrupted_at(lambda: client.decode(*req), None)
+        assert total > 50, total
+        for n in range(1, total + 10):
+            client = start_of_path()
+            _, where, outcome = _run_interrupted_at(lambda c=client: c.decode(*req), n)
+            if where is None:
+                assert n > total - 5 and isinstance(outcome, np.ndarray), (n, total, outcome)
+                break  # past the request's last step
+            assert isinstance(outcome, _Interrupt), f"at {where}: the exception was swallowed ({outcome!r})"
+            att = client._att
+            left = {"owned": set(att.owned), "using": dict(att.using), "claiming": att.claiming,
+                    "loose": set(getattr(att, "loose", ())),
+                    "locked": seg.slot_owned_elsewhere(0)}  # fmt: skip
+            assert left == {"owned": set(), "using": {}, "claiming": 0, "loose": set(), "locked": False}, (
+                f"an exception at {where} (point {n} of {total}) left {left}")
+        else:
+            pytest.fail(f"the request never ran to its end ({total} points)")
+    finally:
+        for client in clients:
+            client.close()
+    # The one slot is not lost: a client in another process gets it at once.
+    code = (f"from bicodec_shm.client.decoder_client import DecoderClient; "
+            f"print(DecoderClient({shm_name!r}, timeout=5).decode({req[0]!r}, {req[1]!r}).shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"({3 * HOP},)", out.stderr[-2000:]
+
+
+def test_a_storm_of_signal_handler_exceptions_never_wedges_the_handle_or_the_slot(thread_server, shm_name):
+    """Chance's version of the sweep above, bounded: a signal every 0.5-3 ms whose handler
+    raises into whatever the main thread is doing in its decode calls (one exception a call),
+    on a one-slot server, for 3 s. Afterwards the handle books and holds nothing, decodes, and a
+    client in another process decodes at once."""
+    server = thread_server(_Silence(), slots=1, reap_interval=0.05)
+    inside = [False]
+
+    def handler(signum, frame):
+        if inside[0]:  # only into a decode call (the test's own loop must not be hit)
+            inside[0] = False
+            raise _Interrupt("from the handler")
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    stop = threading.Event()
+
+    def storm() -> None:
+        rng = random.Random(7)
+        while not stop.is_set():
+            time.sleep(rng.uniform(0.0005, 0.003))
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    counts = {"answered": 0, "interrupted": 0}
+    try:
+        with DecoderClient(shm_name, slots=1, timeout=10) as client:
+            client.decode([1, 2, 3], GLB)
+            sender = threading.Thread(target=storm, daemon=True)
+            sender.start()
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                try:
+                    inside[0] = True
+                    client.decode([1, 2, 3], GLB)
+                    inside[0] = False
+                    counts["answered"] += 1
+                except _Interrupt:
+                    counts["interrupted"] += 1
+            stop.set()
+            sender.join(10)
+            att = client._att
+            left = (set(att.owned), dict(att.using), att.claiming, set(getattr(att, "loose", ())))
+            assert left == (set(), {}, 0, set()), left
+            assert not server.segment.slot_owned_elsewhere(0)
+            assert client.decode([1, 2, 3], GLB).shape == (3 * HOP,)
+    finally:
+        stop.set()
+        signal.signal(signal.SIGUSR1, previous)
+    assert counts["interrupted"] > 50 and counts["answered"] > 50, counts
+    code = (f"from bicodec_shm.client.decoder_client import DecoderClient; "
+            f"print(DecoderClient({shm_name!r}, timeout=5).decode([1, 2, 3], {GLB!r}).shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"({3 * HOP},)", out.stderr[-2000:]

@@ -1,9 +1,11 @@
 """The slot protocol, proved by exhaustive exploration of a model (tests/protocol_model.py).
 
 Every interleaving of claim, submit, wait, take, give back, let go (timeouts, Ctrl-C), close,
-die, the server's take/gather/publish/ring, its replacement, and the reaper, for two clients
-and small bounds. The bounds here keep the suite fast (~20 s); ``BICODEC_SHM_MODEL_FULL=1``
-adds the larger ones (minutes) named in the closing note.
+die, the server's take/gather/publish/ring, its lanes finishing their batches, its
+replacement, and the reaper, for two clients, or two threads sharing one handle, and small
+bounds; and an exception (a signal handler's) between any two steps of a thread in a call.
+The bounds here keep the suite fast (~30 s); ``BICODEC_SHM_MODEL_FULL=1`` adds the larger ones
+(several minutes each).
 """
 
 from __future__ import annotations
@@ -18,10 +20,19 @@ BOUNDS = [
     Bounds(slots=2, closes=True, deaths=True),  # 2 slots: claims race over the table
     Bounds(server_replacements=1, closes=True),  # a server dies, another takes the name over
     Bounds(server_replacements=1, requests=1, closes=True, deaths=True, timeouts=True),
+    Bounds(clients=1, threads=2, slots=2, requests=1),  # two threads of one handle race over 2 slots
+    Bounds(clients=1, threads=2, requests=1, closes=True, deaths=True, interrupts=True),
+    Bounds(requests=1, timeouts=True, interrupts=True),  # an exception between any two steps
+    Bounds(clients=1, slots=2, requests=2, timeouts=True, lanes=2),  # two lanes, a slot held by each in turn
 ]
 FULL = [
     Bounds(slots=2, closes=True, deaths=True, timeouts=True),
     Bounds(server_replacements=1, closes=True, deaths=True, timeouts=True),
+    Bounds(threads=2, requests=1),
+    Bounds(clients=1, threads=2, requests=2, timeouts=True, interrupts=True),
+    Bounds(requests=2, timeouts=True, interrupts=True),
+    Bounds(requests=1, closes=True, deaths=True, interrupts=True),
+    Bounds(slots=2, requests=2, timeouts=True, lanes=2),
 ]
 
 
@@ -30,7 +41,8 @@ def test_every_interleaving_keeps_the_invariants(bounds):
     assert explore(bounds) > 1000  # the invariants held in every one of these states
 
 
-@pytest.mark.skipif(not os.environ.get("BICODEC_SHM_MODEL_FULL"), reason="minutes: set BICODEC_SHM_MODEL_FULL=1")
+@pytest.mark.skipif(not os.environ.get("BICODEC_SHM_MODEL_FULL"),
+                    reason="minutes: set BICODEC_SHM_MODEL_FULL=1")  # fmt: skip
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("bounds", FULL, ids=repr)
 def test_every_interleaving_keeps_the_invariants_at_larger_bounds(bounds):
@@ -84,3 +96,40 @@ def test_the_checker_reports_a_request_that_can_never_be_answered():
             explore(Bounds(requests=1))
     finally:
         protocol_model._Step.publish_or_ring = original
+
+
+def test_the_checker_finds_a_thread_owning_a_slot_whose_lock_another_thread_dropped():
+    """The old release, planted back: it let go of the warm slot without the claim lock, so a
+    claim in another thread of the same handle re-took its lock (the same open file
+    description holds it), and the release's unlock then dropped it under the new owner."""
+    with pytest.raises(Violation) as found:
+        explore(Bounds(clients=1, threads=2, requests=1), Rules(release_outside_claim_lock=True))
+    assert found.value.what.startswith("two owners")
+    trace = found.value.trace
+    warm = trace.index("c0.0 keeps slot 0 warm")
+    retaken = next(i for i, step in enumerate(trace) if step.startswith("c0.1 re-takes the lock"))
+    dropped = trace.index("c0.0 drops the lock of its warm slot 0")
+    assert warm < retaken < dropped
+
+
+def test_the_checker_finds_a_slot_wedged_by_an_exception_between_its_lock_and_the_books():
+    """The old order of locks and books, planted back: a claim locked the slot before booking
+    it, so an exception in between left it locked and owned by no request; the reaper can
+    never free it, and the handle and every other client do without it for good."""
+    with pytest.raises(Violation) as found:
+        explore(Bounds(requests=1, interrupts=True), Rules(books_after_locks=True))
+    assert found.value.what.startswith(("wedged", "lost"))
+    trace = "\n".join(found.value.trace)
+    assert "locks slot 0" in trace and "is interrupted" in trace
+
+
+def test_the_checker_finds_a_write_after_free_when_a_lane_unholds_a_slot_another_lane_holds():
+    """The old lane finish, planted back: it took the batch's slots out of the held set by
+    number, after their rows were answered, when another lane already held one of them for its
+    client's next request; the reaper freed it under that batch, which then wrote into it."""
+    with pytest.raises(Violation) as found:
+        explore(Bounds(clients=1, requests=2, timeouts=True, lanes=2), Rules(finish_unholds_slots=True))
+    assert found.value.what.startswith("write after free")
+    trace = found.value.trace
+    assert trace.index("lane 1 gathers slot 0") < trace.index("lane 0 finishes its batch")
+    assert trace.index("lane 0 finishes its batch") < trace.index("reaper frees slot 0")

@@ -69,6 +69,12 @@ SKIPS = (
      "a two-node Ray cluster: tests/test_ray.py runs these steps"),
 )
 SERVE = re.compile(r"\bbicodec-shm serve\b")
+# A reader's other terminal runs a server as a foreground job: Ctrl-C at its default. A test run
+# started as a background job (`pytest &`) has SIGINT ignored, which its children would inherit
+# and a server rightly keeps (it would then ignore the document's Ctrl-C): reset it first.
+AT_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                     "os.execvp(sys.argv[1], sys.argv[1:])")
+STOP_WAIT = 30.0  # seconds a background command gets to exit after Ctrl-C
 LONG_RUNNING = re.compile(r"\bbicodec-shm serve\b|^(\w+=\S*\s+)*uvicorn\b")
 
 
@@ -258,20 +264,28 @@ class Session:
                     "(Ctrl-C ... above) first"
                 )
             if self.stop_pending:
-                self.stop_all()
-        log = os.path.join(self.folder, f"background_{len(self.background)}.log")
-        with open(log, "w") as f:
-            proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.folder, env=self.env,
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        bg = Background(proc, command, block, log, is_server=bool(SERVE.search(command)))
-        self.background.append(bg)
+                hung = self.stop_all()
+                if hung:
+                    pytest.fail(f"{block}: Ctrl-C did not stop what ran before it:{hung}")
+        bg = self._spawn(block, command, is_server=bool(SERVE.search(command)))
         if bg.is_server:
             try:
-                processes.wait_until_serving(self.name, proc, timeout=60)
+                processes.wait_until_serving(self.name, bg.proc, timeout=60)
             except Exception as exc:
                 pytest.fail(f"{block}: `{command}` did not come up ({exc}):\n{bg.tail()}")
         else:
             self._wait_for_http(bg, re.search(r"--port (\d+)", command)[1])
+
+    def _spawn(self, block: Block, command: str, *, is_server: bool) -> Background:
+        """Start ``command`` in the background, in its own session, SIGINT at its default."""
+        log = os.path.join(self.folder, f"background_{len(self.background)}.log")
+        with open(log, "w") as f:
+            argv = [sys.executable, "-c", AT_DEFAULT_SIGINT, "bash", "-c", f"exec {command}"]
+            proc = subprocess.Popen(argv, cwd=self.folder, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+        bg = Background(proc, command, block, log, is_server)
+        self.background.append(bg)
+        return bg
 
     def _wait_for_http(self, bg: Background, port: str, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
@@ -286,26 +300,74 @@ class Session:
             time.sleep(0.2)
         pytest.fail(f"{bg.block}: `{bg.command}` did not answer on port {port}:\n{bg.tail()}")
 
-    def stop_all(self) -> str:
+    def stop_all(self, timeout: float = STOP_WAIT) -> str:
         """Ctrl-C to everything in the background, as a reader would; SIGKILL if it hangs.
-        Returns the logs of what had to be killed (empty if everything stopped)."""
+        Returns, for each command that had to be killed, which it was, where it was started,
+        how it stood with SIGINT, and its log, with a server's stacks (SIGUSR1 makes a server
+        print them) at the end; empty if everything stopped."""
         for bg in self.background:
             if bg.proc.poll() is None:
                 os.killpg(bg.proc.pid, signal.SIGINT)
         hung = []
+        deadline = time.monotonic() + timeout
         for bg in self.background:
             try:
-                bg.proc.wait(30)
+                bg.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                hung.append(bg)
+                hung.append((bg, _sigint_disposition(bg.proc.pid)))
+                if bg.is_server:
+                    os.kill(bg.proc.pid, signal.SIGUSR1)  # faulthandler: every thread's stack
+                    time.sleep(2)
                 os.killpg(bg.proc.pid, signal.SIGKILL)
                 bg.proc.wait()
-        logs = "".join(f"\n--- killed after 30 s, `{bg.command}`:\n{bg.tail()}" for bg in hung)
+        logs = "".join(f"\n--- `{bg.command}` ({bg.block}, pid {bg.proc.pid}) did not stop within "
+                       f"{timeout:g} s of Ctrl-C ({how}) and was killed; its log:\n{bg.tail()}"
+                       for bg, how in hung)  # fmt: skip
         self.background = [bg for bg in self.background if bg.proc.poll() is None]
         return logs
 
     def _background_logs(self) -> str:
         return "".join(f"\n--- background `{bg.command}`:\n{bg.tail()}" for bg in self.background)
+
+
+def _sigint_disposition(pid: int) -> str:
+    """How process ``pid`` stands with SIGINT: ignored, blocked, caught or default."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        masks = {key: int(fields[key], 16) for key in ("SigIgn", "SigBlk", "SigCgt")}
+    except (OSError, ValueError, KeyError):
+        return "its signal state unreadable"
+    bit = 1 << (signal.SIGINT - 1)
+    states = [word for key, word in (("SigIgn", "ignored"), ("SigBlk", "blocked"), ("SigCgt", "caught"))
+              if masks.get(key, 0) & bit]  # fmt: skip
+    return "SIGINT " + (" and ".join(states) if states else "at its default")
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def test_a_background_command_stops_on_ctrl_c_even_when_the_test_run_ignores_sigint(tmp_path):
+    session = Session(str(tmp_path), random_name("bcshm-readme"), {})
+    block = Block("test", 1, "bash", "sleep 60\n", "")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a run started with `pytest &`
+    try:
+        session._spawn(block, "sleep 60", is_server=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    proc = session.background[0].proc
+    deadline = time.monotonic() + 30
+    while _comm(proc.pid) != "sleep":  # a reader presses Ctrl-C once the command runs
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert session.stop_all(timeout=10) == ""
+    assert time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize("document", DOCUMENTS)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import serve_command, wait_until_serving
-from support import ReadLog, reference_model, seed_int16, single_decode, wait_submitted
+from support import ReadLog, reference_model, seed_int16, single_decode, wait_for, wait_submitted
 
 from bicodec_shm.client.decoder_client import DecoderClient
-from bicodec_shm.errors import DecodeError, ServerAlreadyRunningError
+from bicodec_shm.errors import DecodeError, DecodeTimeoutError, ServerAlreadyRunningError
 from bicodec_shm.protocol.header import read_header, stats_from_header
 from bicodec_shm.protocol.layout import HOP, NO_BELL, SlotState, Status
 from bicodec_shm.protocol.names import leftover_objects
@@ -529,3 +529,90 @@ def test_reaping_never_touches_a_slot_a_lane_holds(thread_server, shm_name):
         sem, glb = _requests(34, 1)[0]
         np.testing.assert_allclose(client.decode(sem, glb, dtype="float32"), single_decode(sem, glb),
                                    atol=1e-5, rtol=0)  # fmt: skip
+
+
+class _PairFailsRowsWait:
+    """The tiny model, except that a batch of more than one row fails (so it is split and its
+    rows retried one by one), and a row whose length is in ``gates`` waits until the test
+    opens that gate (``entered[length]`` is set when it starts waiting)."""
+
+    def __init__(self, lengths) -> None:
+        self.model = reference_model()
+        self.device, self.config = self.model.device, self.model.config
+        self.gates = {n: threading.Event() for n in lengths}
+        self.entered = {n: threading.Event() for n in lengths}
+
+    def detokenize(self, semantic_ids, global_ids, lengths):
+        if semantic_ids.shape[0] > 1:
+            raise RuntimeError("simulated out of memory for a batch of two")
+        n = int(lengths[0])
+        if n in self.gates:
+            self.entered[n].set()
+            if not self.gates[n].wait(60):
+                raise RuntimeError(f"the row of length {n} was never let through")
+        return self.model.detokenize(semantic_ids, global_ids, lengths)
+
+    def open_all(self) -> None:
+        for gate in self.gates.values():
+            gate.set()
+
+
+def test_a_lane_finishing_a_split_batch_never_unholds_a_slot_another_lane_holds(thread_server, shm_name):
+    """A lane's finish once took its batch's slots out of the held set a second time, after
+    each row had been answered. A batch [A, B] fails and is split: A is answered, A's client
+    sends its next request in the same slot, and the other lane holds it in a new batch while
+    this lane still decodes B. When this lane finished, the slot left the held set under the
+    other lane's batch: once A's client let go of it, the reaper freed it, and that batch then
+    wrote its answer over whatever the slot's next owner had sent. The slot must stay held
+    (and unreaped) until the batch that holds it has published."""
+    decoder = _PairFailsRowsWait([40, 30, 20])
+    server = thread_server(decoder, lanes=2, slots=2, max_batch=2, max_wait_ms=10_000, min_fill=0.0,
+                           max_batch_tokens=None, reap_interval=0.05)  # fmt: skip
+    seg = server.segment
+    rng = np.random.default_rng(55)
+    req_a, req_b, req_next = ((rng.integers(0, 8192, n), rng.integers(0, 4096, 32)) for n in (40, 30, 20))
+    out: dict = {}
+    with DecoderClient(shm_name, slots=1, timeout=30) as a, DecoderClient(shm_name, slots=1, timeout=30) as b:
+
+        def client_a() -> None:
+            out["a"] = a.decode(*req_a, dtype="float32")
+            try:
+                a.decode(*req_next, timeout=4)  # held by the other lane: it times out, lets go
+            except DecodeTimeoutError as exc:
+                out["next"] = exc
+
+        def client_b() -> None:
+            out["b"] = b.decode(*req_b, dtype="float32")
+
+        threads = [threading.Thread(target=client_a), threading.Thread(target=client_b)]
+        try:
+            for t in threads:
+                t.start()
+            # The pair went to one lane, failed, and its first half (A) waits at the gate.
+            assert decoder.entered[40].wait(30)
+            server.max_wait_ms = 0  # from now on a lane takes whatever is ready at once
+            decoder.gates[40].set()  # A is answered; A's next request goes to the other lane
+            assert decoder.entered[20].wait(30)
+            (slot,) = a._att.owned
+            held_by_b = next(iter(b._att.owned))
+            assert slot != held_by_b and seg.slots["state"][slot] == SlotState.BUSY
+            decoder.gates[30].set()  # the first lane decodes B, publishes it and finishes
+            wait_for(lambda: "b" in out and int(seg.header["busy_lanes"]) == 1, 30,
+                     "the first lane to finish")  # fmt: skip
+            still_held = slot in server._held
+            generation = int(seg.slots["generation"][slot])
+            threads[0].join(30)  # A's client timed out and let go of the slot
+            assert isinstance(out.get("next"), DecodeTimeoutError), out.get("next")
+            server.reap()
+            time.sleep(0.2)  # and the dispatcher's own reaper ticks (every 50 ms)
+            assert seg.slots["state"][slot] == SlotState.BUSY, "a held slot was reaped under its batch"
+            assert int(seg.slots["generation"][slot]) == generation
+            assert still_held, "the finished lane un-held a slot another lane holds"
+        finally:
+            decoder.open_all()
+            for t in threads:
+                t.join(30)
+    np.testing.assert_allclose(out["a"], single_decode(*req_a), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out["b"], single_decode(*req_b), atol=1e-5, rtol=0)
+    # Once the holding batch has published, the slot comes back (reaped: its client let go).
+    wait_for(lambda: (seg.slots["state"] == SlotState.FREE).all(), 10, "the slots to come back")

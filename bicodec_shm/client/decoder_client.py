@@ -40,15 +40,18 @@ import numpy as np
 
 from ..codecs.dia import dia_to_codes
 from ..codecs.layout import (
+    ANY_SLOT_LIMIT,
+    BICODEC,
     DEFAULT_NOISE_SEED,
     LAYOUTS,
+    MAX_FRAMES,
     CodecLayout,
     check_noise_seed,
     check_request,
     check_start_frame,
 )
 from ..codecs.orpheus import AUDIO_TOKEN_BASE, orpheus_to_codes
-from ..codecs.validation import as_token_array, output_dtype_code
+from ..codecs.validation import SLOT_LIMIT, as_token_array, output_dtype_code
 from ..errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
 from ..protocol.attachment import SLICE, Attachment, Gone
 from ..protocol.group import read_group
@@ -66,6 +69,7 @@ DEFAULT_CLIENT_SLOTS = 8
 # name before it loads its model, but only once its interpreter is up: 0.5 s here when idle,
 # over 2 s on a loaded 2-core machine (the 10-minute soak failed 88% of its requests at 2 s).
 STOP_GRACE = 5.0
+REATTACH_PAUSE = SLICE / 5  # between attachments lost in quick succession (see ``_drop``)
 
 _live_clients: weakref.WeakSet[DecoderClient] = weakref.WeakSet()
 
@@ -146,6 +150,9 @@ class DecoderClient:
         self._requests = 0
         self._last_error: Exception | None = None
         self._stopped_at: float | None = None  # when a server that stopped on purpose went away
+        self._last_dropped: Attachment | None = None  # see ``_drop``
+        self._dropped_at = float("-inf")
+        self._quick_drops = 0  # attachments lost less than a slice apart, in a row
         self._closed = False
         self._t_asked = time.monotonic()
         att = self._connect(self._t_asked + connect_timeout)
@@ -255,26 +262,40 @@ class DecoderClient:
         return self._codec
 
     def _decode(self, request: _Request, timeout: float | None) -> np.ndarray:
+        try:
+            return self._decode_sync(request, timeout)
+        except Gone as exc:  # never expected here: the loop resubmits; but never let it out
+            raise self._lost_error(exc) from None
+
+    async def _decode_async(self, request: _Request, timeout: float | None) -> np.ndarray:
+        try:
+            return await self._decode_async_loop(request, timeout)
+        except Gone as exc:  # as in ``_decode``
+            raise self._lost_error(exc) from None
+
+    def _decode_sync(self, request: _Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         while True:
             att = self._attachment(deadline)
-            _fit(att, request)
             try:
-                slot, seq = att.take_slot(deadline)
-            except Gone:
-                self._drop(att)
+                _fit(att, request)
+            except Gone as exc:
+                self._drop(att, deadline, exc)
                 continue
+            seq = att.new_seq()  # before the try: its cleanup must know what to look for
             try:
+                slot, _ = att.take_slot(deadline, seq)
                 _submit(att, slot, seq, request, NO_BELL)
                 self._requests += 1
                 return att.wait_result(slot, seq, deadline)
-            except Gone:
-                self._drop(att)
+            except Gone as exc:
+                self._drop(att, deadline, exc)
             except BaseException:
                 # Ctrl-C, a signal handler's exception (a SIGALRM timeout), a timeout, an
-                # error answer: the slot goes back, or is let go of if the server may still
-                # have the request (see attachment.py). Never kept out of use.
-                att.done_with(slot, seq)
+                # error answer, wherever it lands from taking the slot on: the slot goes back,
+                # or is let go of if the server may still have the request, and a step it
+                # interrupted is finished (see attachment.py). Never kept out of use.
+                att.abandon(seq)
                 raise
 
     async def decode_async(self, semantic_ids: Any, global_ids: Any, *, dtype: str = "int16",
@@ -282,7 +303,7 @@ class DecoderClient:
         """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""
         return await self._decode_async(self._prepare(semantic_ids, global_ids, dtype), timeout)
 
-    async def _decode_async(self, request: _Request, timeout: float | None) -> np.ndarray:
+    async def _decode_async_loop(self, request: _Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         loop = asyncio.get_running_loop()
         while True:
@@ -290,14 +311,15 @@ class DecoderClient:
             if att is None:  # the server is being replaced: wait without blocking the loop
                 await asyncio.sleep(SLICE)
                 continue
-            _fit(att, request)
             try:
-                slot, seq = await att.take_slot_async(deadline)
-            except Gone:
-                self._drop(att)
+                _fit(att, request)
+            except Gone as exc:
+                self._drop(att, deadline, exc)
                 continue
+            seq = att.new_seq()  # before the try: see ``_decode``
             future = loop.create_future()
             try:
+                slot, _ = await att.take_slot_async(deadline, seq)
                 bell = att.register(slot, seq, loop, future)
                 _submit(att, slot, seq, request, bell)
                 self._requests += 1
@@ -311,14 +333,13 @@ class DecoderClient:
                         raise Gone() from None
                     att.forget_pending(slot, seq)
                     raise att.timeout_error() from None
-            except Gone:
+            except Gone as exc:
                 _discard(future)
-                att.forget_pending(slot, seq)
-                self._drop(att)
+                att.abandon(seq)
+                self._drop(att, deadline, exc)
             except BaseException:  # cancelled, or an error answer: see ``decode``
                 _discard(future)
-                att.forget_pending(slot, seq)
-                att.done_with(slot, seq)
+                att.abandon(seq)
                 raise
 
     def get_stats(self) -> dict:
@@ -375,23 +396,24 @@ class DecoderClient:
     # -- request plumbing ---------------------------------------------------------------------
 
     def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> _Request:
-        """Validate against the limits of the server last attached (``_fit`` checks again
-        against the attachment a request actually uses: a server may have been replaced by
-        one with other limits, or a group's members may differ)."""
+        """Validate against BiCodec's own bounds: refuse here only what no server could take.
+        ``_fit`` checks the limits of the attachment a request actually uses (a server may have
+        been replaced by one with other limits, or a group's members may differ)."""
         if self._closed:
             raise self._closed_error()
-        _check_codec("bicodec", None, self._codec, self.name)
-        vocab, global_vocab, max_tokens = self._limits
-        semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=vocab, max_len=max_tokens)
-        globals_ = as_token_array(global_ids, what="global_ids", vocab=global_vocab,
+        semantic = as_token_array(semantic_ids, what="semantic_ids", vocab=BICODEC.level_vocab[0],
+                                  max_len=MAX_FRAMES, limit=ANY_SLOT_LIMIT)  # fmt: skip
+        globals_ = as_token_array(global_ids, what="global_ids", vocab=BICODEC.global_vocab,
                                   max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
         return _Request("bicodec", None, [semantic], globals_, output_dtype_code(dtype),
-                        checked=self._codec)  # fmt: skip
+                        checked=BICODEC)  # fmt: skip
 
     def _prepare_codes(self, levels: Any, global_ids: Any, noise_seed: int, noise: bool,
                        dtype: str, codec: str | None, *, kind: str = "codes",
                        start_frame: int = 0) -> _Request:  # fmt: skip
-        """Validate a code-level request against the layout of the server last attached."""
+        """Validate a code-level request against its codec's own bounds: the codec it names
+        (``codec``, or snac-24khz for Orpheus tokens), else the one the server last attached
+        serves; any length a server could hold. ``_fit`` checks the attachment's limits."""
         if self._closed:
             raise self._closed_error()
         if codec is not None and codec not in LAYOUTS:
@@ -401,7 +423,14 @@ class DecoderClient:
         request = _Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
                            check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE,
                            check_start_frame(start_frame))  # fmt: skip
-        _check_request(request, self._codec, self._limits[2], self.name)
+        layout = LAYOUTS[codec] if codec is not None else self._codec
+        try:
+            _check_request(request, layout, MAX_FRAMES, self.name, limit=ANY_SLOT_LIMIT)
+        except ValueError:
+            # Codes that do not fit the codec they name, sent to a server of another codec: say
+            # that first (the likelier slip), naming both codecs.
+            _check_codec(kind, codec, self._codec, self.name)
+            raise
         return request
 
     def _deadline(self, timeout: float | None) -> float:
@@ -416,11 +445,12 @@ class DecoderClient:
         while True:
             try:
                 att = self._connect_once()
-                self._limits = (att.semantic_vocab, att.global_vocab, att.max_tokens)
                 self._codec = att.codec
                 return att
             except ServerUnavailableError as exc:
                 self._last_error = exc
+            except Gone as exc:  # what it attached to went away at once
+                self._last_error = self._lost_error(exc)
             if time.monotonic() >= deadline:
                 waited = "" if deadline <= self._t_asked else " before the deadline"
                 raise ServerUnavailableError(
@@ -452,6 +482,11 @@ class DecoderClient:
         as long as it is starting."""
         if os.getpid() != self._pid:
             self._forked()
+        pause = self._reattach_pause()
+        if pause:
+            if not block:
+                return None
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         while True:
             if self._closed:
                 raise self._closed_error()
@@ -513,16 +548,42 @@ class DecoderClient:
             self._att = None
         group.close(Gone())
 
-    def _drop(self, att: Attachment) -> None:
-        """Forget an attachment whose server went away; the next call attaches afresh."""
+    def _drop(self, att: Attachment, deadline: float, exc: Gone) -> None:
+        """Forget an attachment whose server went away (``exc``); the next call attaches
+        afresh. At the request's deadline, raise ``ServerUnavailableError`` instead: a server
+        that serves but cannot be used (its semaphores removed, say) must not keep a request
+        re-attaching past its timeout."""
         att.retire(Gone())
+        now = time.monotonic()
         with self._lock:
             if self._att is att:
                 self._att = None
                 if att.stopped_cleanly and self._stopped_at is None:
-                    self._stopped_at = time.monotonic()
+                    self._stopped_at = now
+            if self._last_dropped is not att:  # each lost attachment once, whoever saw it
+                self._last_dropped = att
+                self._quick_drops = self._quick_drops + 1 if now - self._dropped_at < SLICE else 1
+                self._dropped_at = now
         if self._closed:
             raise self._closed_error()
+        if now >= deadline:
+            raise self._lost_error(exc)
+
+    def _reattach_pause(self) -> float:
+        """Seconds to wait before attaching again: 0, unless attachments have been lost in
+        quick succession (a server that serves but fails every attachment), then a short pause
+        between tries rather than a spin."""
+        if self._quick_drops < 2:
+            return 0.0
+        return max(0.0, self._dropped_at + REATTACH_PAUSE - time.monotonic())
+
+    def _lost_error(self, exc: BaseException) -> ServerUnavailableError:
+        why = exc.__cause__ or exc.__context__
+        detail = f" ({why})" if why is not None and str(why) else ""
+        return ServerUnavailableError(
+            f"lost the decoder server {self.name!r} and no attachment took the request before its "
+            f"deadline{detail}"
+        )
 
     def _forked(self) -> None:
         """In a forked child: the parent's attachment (and its slots) are not ours."""
@@ -540,11 +601,20 @@ class DecoderClient:
 def _fit(att: Attachment, request: _Request) -> None:
     """Check a validated request against the limits of the server that will decode it, before
     anything is written (a restarted server may have a smaller --max-tokens, or serve another
-    codec)."""
+    codec). Raises ``Gone`` rather than refuse it for a server that no longer serves: its
+    successor, with limits of its own, decides."""
     # The common case costs one comparison: checked against this very layout already (the
     # layout holds every vocabulary), and short enough for this server's slots.
     if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:
         return
+    try:
+        _fit_slow(att, request)
+    except ValueError:
+        att.check_alive()  # raises Gone (and retires the attachment) if its server went away
+        raise
+
+
+def _fit_slow(att: Attachment, request: _Request) -> None:
     if request.kind != "bicodec":
         _check_request(request, att.codec, att.max_tokens, att.name)
         return
@@ -589,9 +659,11 @@ def _check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -
     raise ValueError(f"{what}, but {name!r} serves {served.name} ({served.describe()}): {hint}")
 
 
-def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name: str) -> None:
+def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name: str, *,
+                   limit: str = SLOT_LIMIT) -> None:  # fmt: skip
     """Validate a code-level request against ``layout`` in place (its levels become int32
-    arrays); a request shaped for another codec is refused naming both codecs."""
+    arrays); a request shaped for another codec is refused naming both codecs. ``limit`` says
+    what ``max_frames`` is, for the message of a request that is too long."""
     _check_codec(request.kind, request.codec, layout, name)
     levels = request.levels
     n_levels = len(levels) if isinstance(levels, (list, tuple)) or getattr(levels, "ndim", 0) == 2 else None
@@ -605,8 +677,9 @@ def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name
             f"this request has {shape}{like}, but {name!r} serves {layout.name}: "
             f"{layout.describe()}"
         )
-    request.levels, request.global_ids, _ = check_request(layout, levels, request.global_ids,
-                                                          max_frames=max_frames)  # fmt: skip
+    request.levels, request.global_ids, _ = check_request(
+        layout, levels, request.global_ids, max_frames=max_frames, slot_limit=limit
+    )
     request.checked = layout
 
 

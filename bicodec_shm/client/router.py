@@ -72,6 +72,8 @@ class GroupRouter:
     def pick(self) -> Attachment | None:
         """The attachment of the least loaded live member, or None if no member serves."""
         with self._lock:
+            if isinstance(self._closed, Gone):
+                return None  # replaced (the group under the name changed): the caller looks again
             if self._closed is not None:
                 raise type(self._closed)(str(self._closed))
             now = time.monotonic()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .validation import as_token_array
+from .validation import SLOT_LIMIT, as_token_array
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,11 @@ LAYOUTS: dict[str, CodecLayout] = {
 
 
 DEFAULT_MAX_SECONDS = 30  # the longest request a server takes by default (serve --max-tokens)
+# The most frames any server's slot holds: protocol.segment.Segment.create refuses a larger
+# --max-tokens. A longer request is refused by the client before it looks for a server; any
+# shorter one is checked against the slots of the server that will decode it.
+MAX_FRAMES = 100_000
+ANY_SLOT_LIMIT = f"any server's slot can hold (--max-tokens is at most {MAX_FRAMES}); split the request"
 
 
 def default_max_frames(codec: str) -> int:
@@ -224,6 +229,7 @@ def check_request(
     global_ids: Any = None,
     *,
     max_frames: int | None = None,
+    slot_limit: str = SLOT_LIMIT,
 ) -> tuple[list[np.ndarray], np.ndarray | None, int]:
     """Validate one request against ``layout``; return its levels as int32 arrays and its frames.
 
@@ -233,6 +239,8 @@ def check_request(
             levels share one rate (DAC) also a 2-D array or tensor ``(n_levels, frames · rate)``.
         global_ids: the global ids for a codec that takes them, else None.
         max_frames: the most frames a request may carry (the server's slot size), or None.
+        slot_limit: what ``max_frames`` is, for the message of a request that is too long
+            (default: a slot of the server, whose --max-tokens sets it).
 
     Returns:
         ``(levels, global_ids, frames)``: contiguous int32 arrays (``global_ids`` None for a codec
@@ -260,7 +268,7 @@ def check_request(
     if checked and len(levels[0]) > limit * layout.level_rates[0]:
         checked = False  # too long: as_token_array says so, in its words
     arrays = levels if checked else [
-        as_token_array(level, what=f"levels[{i}]", vocab=vocab, max_len=limit * rate)
+        as_token_array(level, what=f"levels[{i}]", vocab=vocab, max_len=limit * rate, limit=slot_limit)
         for i, (level, rate, vocab) in enumerate(
             zip(levels, layout.level_rates, layout.level_vocab, strict=True)
         )

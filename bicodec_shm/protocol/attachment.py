@@ -12,8 +12,9 @@ memory-ordering rule.
   back to the segment but one *warm* slot, which stays CLAIMED with its lock dropped: the next
   request re-takes its lock if nobody touched it (same claim epoch), which is cheaper than a
   claim and lets the server's rejoin window wait for us; and the server's reaper frees it at its
-  next tick otherwise. So an idle handle holds no slot for longer than a reap interval, and
-  idle workers never keep a new one out.
+  next tick otherwise, or at once when a claimer finds no FREE slot and says so (the header's
+  ``slot_wanted``, then a ``ready`` post). So an idle handle holds no slot for longer than a
+  reap interval, and idle workers never keep a new one out, nor make it wait for the tick.
 - **A request is ``(slot, seq)``**: ``take_slot`` hands out both, and every later step (give
   back, let go, the answer's identity check) names both, so a step repeated by an interrupted
   caller can never touch the next request on the same slot.
@@ -27,6 +28,15 @@ memory-ordering rule.
   Ctrl-C, an exception from a signal handler) *lets go* of its slot: it drops the slot's lock
   and forgets it. The server's reaper frees the slot once no batch holds it, after the
   server's last write and post to it. A client frees a slot itself only in state CLAIMED.
+- **Threads and interruptions.** Threads share one attachment, and so one lock descriptor: a
+  slot lock that one thread holds, another thread of ours "takes" again at once. So every step
+  that drops a slot's lock (giving slots back, letting go of the warm slot or of a request's)
+  runs under the claim lock, like every claim. An exception from a signal handler may land between any two
+  bytecodes of the main thread: every step records first what it is about to do to a lock
+  (``loose``: slots whose lock may be ours that no request owns), so that whatever an
+  interruption leaves, ``abandon`` (the caller's cleanup) and the next claim finish
+  (``_settle``); a request is numbered before its caller's ``try``, so its cleanup always knows
+  what to look for.
 - **Retiring.** When the server goes away, or the handle closes, ``retire`` fails every waiter
   and pending future at once. The segment is unmapped when the last thread using it leaves:
   every use of the mapping or its semaphores happens inside ``use()``.
@@ -42,6 +52,7 @@ import random
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -57,6 +68,12 @@ from .segment import Segment, drain
 SLICE = 0.1  # seconds a waiter sleeps before checking that its server still serves
 _FLOAT32 = int(OutputDtype.FLOAT32)
 _BELL_IDLE = 2.0  # seconds without async requests before the waiter thread and bell go away
+
+
+class _User:
+    """A token for one ``Attachment.use()`` in progress (weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
 
 
 class Gone(Exception):
@@ -92,19 +109,25 @@ class Attachment:
         self.handle_id = secrets.randbits(63)
         self.seq = itertools.count(1)
         self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)  # a slot came back, or users dropped
-        self.owned: set[int] = set()
-        self.idle: list[int] = []  # owned, not in use
+        self.changed = _Wakeups()  # a slot came back, or users dropped (under ``lock``)
+        self.owned: set[int] = set()  # slots whose lock we hold, each in use or idle
+        self.idle: list[int] = []  # a hint: owned slots not in use, the most recently used last
         self.warm: tuple[int, int] | None = None  # (slot, claim epoch) let go of while warm
         self.using: dict[int, int] = {}  # slot -> seq of the request that has it
-        self.claiming = 0
+        # Slots whose lock may be ours that no request owns: a step that takes or drops a lock
+        # records the slot here first and forgets it last (``_settle``).
+        self.loose: set[int] = set()
+        self.claimers: set[int] = set()  # requests (seq) between deciding to claim and done
+        # One claim, or one drop of a slot lock, at a time: see the module docstring.
         self.claim_lock = threading.Lock()
         self.generation: dict[int, int] = {}  # slot -> the claim epoch we own it at
         self.async_slot_waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self.pending: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.bell: int | None = None
         self.waiter: threading.Thread | None = None
-        self.users = 0  # threads inside use(): the mapping must outlive them
+        # One token per use() in progress: the mapping must outlive them. Weak: a use() whose
+        # cleanup an exception cut short still leaves once its frame is gone.
+        self.users: weakref.WeakSet[_User] = weakref.WeakSet()
         self.retired: BaseException | None = None  # why this attachment takes no more work
         self.stopped_cleanly = False  # the server stopped on purpose (not a crash)
         self.unmapped = False
@@ -113,26 +136,37 @@ class Attachment:
     def in_use(self) -> int:
         return len(self.using)
 
+    @property
+    def claiming(self) -> int:
+        return len(self.claimers)
+
+    def new_seq(self) -> int:
+        """The number of a new request: taken before the caller's ``try``, so that its cleanup
+        (``abandon``) can find whatever the request came to hold."""
+        return next(self.seq)
+
     # -- using the mapping safely --------------------------------------------------------
 
     @contextlib.contextmanager
     def use(self) -> Iterator[Segment]:
         """Hold the mapping for the duration of the block; raise if the attachment retired."""
-        with self.lock:
-            if self.retired is not None:
-                raise self._retired_error()
-            self.users += 1
-        try:
-            yield self.segment  # type: ignore[misc]
-        except posix_ipc.Error as exc:
-            # A semaphore vanished or was closed under us: the server went away.
-            raise Gone() from exc
-        except ServerUnavailableError as exc:  # raised by Segment when it finds the server gone
-            raise Gone() from exc
+        token = _User()  # added and discarded in one step each, inside the try: an exception
+        try:  # anywhere in between (a signal handler's) cannot leave a user counted for ever
+            with self.lock:
+                if self.retired is not None:
+                    raise self._retired_error()
+                self.users.add(token)
+            try:
+                yield self.segment  # type: ignore[misc]
+            except posix_ipc.Error as exc:
+                # A semaphore vanished or was closed under us: the server went away.
+                raise Gone() from exc
+            except ServerUnavailableError as exc:  # raised by Segment when it finds the server gone
+                raise Gone() from exc
         finally:
             with self.lock:
-                self.users -= 1
-                last = self.users == 0 and self.retired is not None
+                self.users.discard(token)
+                last = not self.users and self.retired is not None
                 if last:
                     self.changed.notify_all()
             if last:
@@ -170,29 +204,48 @@ class Attachment:
 
     # -- slots -------------------------------------------------------------------------------
 
-    def take_slot(self, deadline: float) -> tuple[int, int]:
-        """(slot, seq): an owned slot for a new request ``seq``; blocks (in slices) until one
-        is free."""
+    def take_slot(self, deadline: float, seq: int | None = None) -> tuple[int, int]:
+        """(slot, seq): an owned slot for request ``seq`` (a new number if None); blocks (in
+        slices) until one is free."""
+        if seq is None:
+            seq = self.new_seq()
         while True:
-            taken, claimed = self._take_or_claim()
-            if taken is not None:
-                return taken
+            slot, claimed = self._take_or_claim(seq)
+            if slot is not None:
+                return slot, seq
             if claimed:  # the segment had no FREE slot
                 self._wait_for_segment_slot(deadline)
             else:
                 with self.lock:
-                    if not self.idle and self.retired is None:
-                        self.changed.wait(min(SLICE, max(0.0, deadline - time.monotonic())))
+                    waiter = None
+                    if not self.owned.difference(self.using) and self.retired is None:
+                        waiter = self.changed.add()
+                if waiter is not None:
+                    self._sleep(waiter, min(SLICE, max(0.0, deadline - time.monotonic())))
             self._check_slot_wait(deadline)
 
-    async def take_slot_async(self, deadline: float) -> tuple[int, int]:
+    def _sleep(self, waiter: threading.Lock, timeout: float) -> None:
+        """Sleep on ``waiter`` (from ``changed.add()``) until woken or ``timeout``; outside the
+        attachment's lock, so that an exception from a signal handler here leaves that lock as
+        it was (see ``_Wakeups``)."""
+        try:
+            waiter.acquire(timeout=timeout)
+        finally:
+            with self.lock:
+                self.changed.discard(waiter)
+
+    async def take_slot_async(self, deadline: float, seq: int | None = None) -> tuple[int, int]:
         """``take_slot`` for asyncio: never blocks the event loop."""
         loop = asyncio.get_running_loop()
+        if seq is None:
+            seq = self.new_seq()
         while True:
-            taken, claimed = self._take_or_claim()
-            if taken is not None:
-                return taken
+            slot, claimed = self._take_or_claim(seq)
+            if slot is not None:
+                return slot, seq
             if claimed:  # no FREE slot in the segment: look again shortly (only under exhaustion)
+                with self.use() as seg:
+                    _ask_for_a_slot(seg)
                 await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
             else:
                 future = loop.create_future()
@@ -210,34 +263,35 @@ class Attachment:
                             self.async_slot_waiters.remove(entry)
             self._check_slot_wait(deadline)
 
-    def _take_or_claim(self) -> tuple[tuple[int, int] | None, bool]:
-        """An idle slot of ours, else a FREE slot of the segment if our limit allows one.
-        Returns ((slot, seq) or None, whether a claim was tried): with None, the caller waits
-        for one of ours to come back (no claim allowed) or for the segment (none was FREE)."""
-        taken, may_claim = self._take_local()
-        if taken is None and may_claim:
-            slot = self._claim_or_none()
-            if slot is not None:
-                taken = self._start_request(slot)
-        return taken, may_claim
+    def _take_or_claim(self, seq: int) -> tuple[int | None, bool]:
+        """An idle slot of ours, else a FREE slot of the segment if our limit allows one, for
+        request ``seq``. Returns (the slot or None, whether a claim was tried): with None, the
+        caller waits for one of ours to come back (no claim allowed) or for the segment (none
+        was FREE)."""
+        slot, may_claim = self._take_local(seq)
+        if slot is None and may_claim:
+            slot = self._claim_or_none(seq)
+        return slot, may_claim
 
-    def _start_request(self, slot: int) -> tuple[int, int]:
-        with self.lock:
-            seq = next(self.seq)
-            self.using[slot] = seq
-        return slot, seq
-
-    def _take_local(self) -> tuple[tuple[int, int] | None, bool]:
+    def _take_local(self, seq: int) -> tuple[int | None, bool]:
         with self.lock:
             if self.retired is not None:
                 raise self._retired_error()
-            if self.idle:
-                slot, seq = self.idle.pop(), next(self.seq)
+            # Idle means owned and not in use; the list only remembers which was used last (an
+            # interruption may leave an entry stale, or a slot out of it).
+            while self.idle:
+                slot = self.idle.pop()
+                if slot in self.owned and slot not in self.using:
+                    self.using[slot] = seq  # one store: the slot is this request's
+                    return slot, False
+            spare = self.owned.difference(self.using)
+            if spare:
+                slot = spare.pop()
                 self.using[slot] = seq
-                return (slot, seq), False
-            may_claim = len(self.owned) + self.claiming < self.max_slots
+                return slot, False
+            may_claim = len(self.owned) + len(self.claimers) < self.max_slots
             if may_claim:
-                self.claiming += 1
+                self.claimers.add(seq)  # undone by _claim_or_none, or by abandon(seq)
             return None, may_claim
 
     def _check_slot_wait(self, deadline: float) -> None:
@@ -249,17 +303,19 @@ class Attachment:
                 "(raise the handle's `slots`, the server's --slots, or the timeout)"
             )
 
-    def _claim_or_none(self) -> int | None:
-        """Claim one FREE slot of the segment (lock first, then re-check); None if none.
+    def _claim_or_none(self, seq: int) -> int | None:
+        """Claim one FREE slot of the segment (lock first, then re-check) for request ``seq``;
+        None if none.
 
-        One thread at a time: the slot locks exclude other processes (other open file
+        Under the claim lock: the slot locks exclude other processes (other open file
         descriptions), not the threads that share ours. A second thread would "take" a lock we
         already hold, and its unlock would drop ours.
         """
         try:
             with self.claim_lock, self.use() as seg:
+                self._settle(seg)
                 if self.warm is not None:
-                    slot = self._rewarm(seg)
+                    slot = self._rewarm(seg, seq)
                     if slot is not None:
                         return slot
                 states = seg.field["state"]
@@ -267,36 +323,73 @@ class Attachment:
                 if len(free):
                     start = random.randrange(len(free))  # spread claimers over the table
                     for slot in np.roll(free, -start).tolist():
+                        if slot in self.owned or slot in self.loose:
+                            continue  # ours already (a FREE written over it): our lock would "succeed"
+                        self.loose.add(slot)  # first: from here its lock may be ours
                         if not seg.try_lock_slot(slot):
+                            self.loose.discard(slot)
                             continue
                         if states[slot] != FREE:  # a claim or a reap raced us
                             seg.unlock_slot(slot)
+                            self.loose.discard(slot)
                             continue
-                        self._own(seg, slot)
+                        self._own(seg, slot, seq)
                         return slot
                 return None
         finally:
             with self.lock:
-                self.claiming -= 1
+                self.claimers.discard(seq)
 
-    def _own(self, seg: Segment, slot: int) -> None:
-        """Make a FREE slot whose lock we just took ours (transition 1)."""
-        try:
-            # Stale posts of an earlier owner's life must not answer our first request (and
-            # if one comes late, its identity names the earlier claim epoch: it is skipped).
-            drain(seg.done(slot))
-            drain(seg.req(slot))
-        except BaseException:
-            seg.unlock_slot(slot)
-            raise
+    def _own(self, seg: Segment, slot: int, seq: int) -> None:
+        """Make a FREE slot whose lock we just took (it is in ``loose``) request ``seq``'s
+        (transition 1). Interrupted anywhere, the slot is still in ``loose``: ``_settle``
+        frees it if it got as far as CLAIMED, and unlocks it otherwise."""
+        # Stale posts of an earlier owner's life must not answer our first request (and if one
+        # comes late, its identity names the earlier claim epoch: it is skipped).
+        drain(seg.done(slot))
+        drain(seg.req(slot))
         f = seg.field
-        f["generation"][slot] += 1  # a new claim epoch: we hold the lock, nobody else writes it
-        self.generation[slot] = int(f["generation"][slot])
+        gen = int(f["generation"][slot]) + 1  # a new claim epoch: we hold the lock, nobody else writes it
+        self.generation[slot] = gen  # remembered before it is written: _settle knows our epoch
+        f["generation"][slot] = gen
         f["owner_pid"][slot] = os.getpid()
         f["handle_id"][slot] = self.handle_id
         f["state"][slot] = CLAIMED
+        self._book(slot, seq)
+
+    def _book(self, slot: int, seq: int) -> None:
+        """A slot whose lock we hold (in ``loose``) becomes request ``seq``'s. In this order,
+        so that every prefix is a state the others read right: owned (idle, as ``_take_local``
+        sees it, until the next store), in use by ``seq``, out of ``loose``."""
         with self.lock:
             self.owned.add(slot)
+            self.using[slot] = seq
+            self.loose.discard(slot)
+
+    def _settle(self, seg: Segment) -> None:
+        """Finish what an interrupted step left: each slot in ``loose`` ends up owned, warm
+        with its lock dropped, back in the segment (ours and CLAIMED), or with its lock dropped
+        (FREE already, or let go of with a request the server may still answer: the reaper
+        frees it once the server is done with it). Called with the claim lock held, so that no
+        claim, release or let go is half done in another thread: what is in ``loose`` now was
+        left by an interruption. Idempotent: a slot leaves ``loose`` only once its lock is
+        settled."""
+        f = seg.field
+        for slot in list(self.loose):
+            with self.lock:
+                owned = slot in self.owned
+                warm = self.warm is not None and self.warm[0] == slot
+            if owned:
+                pass  # a claim got as far as owning it: an owned slot is its request's
+            elif warm:
+                seg.unlock_slot(slot)  # letting go of the warm slot was interrupted
+            elif seg.try_lock_slot(slot):  # it is ours now, if it was not already
+                ours = int(f["generation"][slot]) == self.generation.get(slot)  # our claim epoch
+                if int(f["state"][slot]) == CLAIMED and ours:
+                    seg.free_slot(slot)  # ours, and no request's: transition 6
+                else:
+                    seg.unlock_slot(slot)
+            self.loose.discard(slot)  # (a lock held by another process is not ours to settle)
 
     def _wait_for_segment_slot(self, deadline: float) -> None:
         """Sleep until some client or the reaper posts ``free``, or one slice passes."""
@@ -304,6 +397,7 @@ class Attachment:
         # With requests of our own in flight, one of our slots may come back sooner.
         timeout = min(SLICE / 5 if self.using else SLICE, left)
         with self.use() as seg:
+            _ask_for_a_slot(seg)
             seg.wait(seg.free, timeout)  # a timeout, or a signal: the caller looks again
 
     def give(self, slot: int, seq: int) -> None:
@@ -314,36 +408,63 @@ class Attachment:
         with self.lock:
             if self.retired is not None or self.using.get(slot) != seq:
                 return  # retired (the slots go with the attachment), or given back already
-            del self.using[slot]
+            del self.using[slot]  # one store: the slot is idle (owned, not in use)
             self.idle.append(slot)
-            self.changed.notify()
+            self.changed.notify_all()
             if self.async_slot_waiters:
                 _resolve(*self.async_slot_waiters.popleft(), None, True)
                 return
-            surplus: list[int] = []
-            warm = None
-            if not self.using and self.claiming == 0:
-                surplus, self.idle = self.idle, []
-                self.owned.difference_update(surplus)
-                warm = surplus.pop()  # the most recently used
-        if surplus or warm is not None:
-            self._release(surplus, warm)
+            quiescent = not self.using and not self.claimers
+        if quiescent:
+            self._release()
 
     def let_go(self, slot: int, seq: int) -> None:
         """Nobody waits for request ``seq`` any more: drop the lock on its slot and forget the
         slot, whatever state it is in. The server's reaper frees it once no batch holds it
-        (after the server's last write and post), so it never reaches a next owner early."""
+        (after the server's last write and post), so it never reaches a next owner early.
+
+        Under the claim lock, like every drop of a slot lock: once the reaper has freed the
+        slot, another thread of ours may claim it, and a late unlock through our descriptor
+        would drop that thread's lock."""
+        with self.claim_lock:
+            with self.lock:
+                if self.retired is not None or self.using.get(slot) != seq:
+                    return
+                # In this order: in ``loose`` while its lock may still be ours, then not owned
+                # (so never idle to another request), then no request's.
+                self.loose.add(slot)
+                self.owned.discard(slot)
+                del self.using[slot]
+                self.changed.notify_all()
+            try:
+                with self.use() as seg:
+                    seg.unlock_slot(slot)
+                    self.loose.discard(slot)
+            except (Gone, BiCodecShmError, OSError):
+                pass  # retired meanwhile: the lock went with the attachment
+
+    def abandon(self, seq: int) -> None:
+        """Request ``seq`` ended with an exception, wherever after ``new_seq`` it came: give back
+        or let go of the slot it had (``done_with``), forget it as a claimer or a pending
+        asyncio request, and finish any step the exception interrupted (``_settle``).
+        Idempotent, so a caller may repeat it."""
         with self.lock:
-            if self.retired is not None or self.using.get(slot) != seq:
-                return
-            del self.using[slot]
-            self.owned.discard(slot)
-            self.changed.notify()
+            self.claimers.discard(seq)
+            for slot, entry in list(self.pending.items()):
+                if entry[0] == seq:
+                    del self.pending[slot]
+            mine = [slot for slot, q in self.using.items() if q == seq]
+        for slot in mine:
+            self.done_with(slot, seq)
         try:
-            with self.use() as seg:
-                seg.unlock_slot(slot)
-        except (Gone, BiCodecShmError, OSError):
-            pass  # retired meanwhile: the lock went with the attachment
+            with self.claim_lock, self.use() as seg:
+                self._settle(seg)
+        except (Gone, BiCodecShmError):
+            return  # retired: the slots go with the attachment
+        with self.lock:
+            quiescent = bool(self.owned) and not self.using and not self.claimers
+        if quiescent:
+            self._release()  # in case the interruption came between a give and its release
 
     def done_with(self, slot: int, seq: int) -> None:
         """After a failure of request ``seq`` anywhere after ``take_slot``: give the slot back
@@ -359,40 +480,54 @@ class Attachment:
         else:
             self.let_go(slot, seq)
 
-    def _release(self, slots: list[int], warm: int | None = None) -> None:
-        """Free ``slots`` (transition 6); let go of ``warm`` but keep it in mind (see the
-        module docstring: the reaper frees it unless we come back first)."""
-        try:
-            with self.use() as seg:
-                for slot in slots:
-                    seg.free_slot(slot)
-                if warm is not None:
-                    with self.lock:
-                        self.warm = (warm, self.generation[warm])
-                    seg.unlock_slot(warm)
-        except Gone:
-            pass  # the server went away: those slots go with the attachment
+    def _release(self) -> None:
+        """With no request of ours in flight: free every owned slot (transition 6) but the most
+        recently used, which we let go of warm and keep in mind (see the module docstring: the
+        reaper frees it unless we come back first).
 
-    def _rewarm(self, seg: Segment) -> int | None:
-        """Re-take the warm slot if it is still as we left it (CLAIMED, same claim epoch: the
-        reaper has not freed it, so nobody else has had it); None otherwise. Called with the
-        claim lock held."""
-        with self.lock:
-            warm, self.warm = self.warm, None
-        if warm is None:
-            return None
-        slot, gen = warm
+        Under the claim lock, like a claim: a claim in another thread of ours would "take" again
+        a lock we are about to drop (our open file description holds it) and then own a slot
+        that nobody has locked. Each slot is in ``loose`` until its lock is dropped."""
+        try:
+            with self.claim_lock, self.use() as seg:
+                with self.lock:
+                    if self.using or self.claimers or not self.owned:
+                        return  # a request came meanwhile: the slots are its to use
+                    recent = list(dict.fromkeys(reversed(self.idle)))[::-1]  # the last used last
+                    order = [s for s in self.owned if s not in recent]
+                    order += [s for s in recent if s in self.owned]
+                    self.loose.update(order)  # first: no longer owned, their locks still ours
+                    self.owned.clear()
+                    self.idle.clear()
+                warm = order.pop()
+                for slot in order:
+                    seg.free_slot(slot)
+                    self.loose.discard(slot)
+                self.warm = (warm, self.generation[warm])  # before the unlock: see _settle
+                seg.unlock_slot(warm)
+                self.loose.discard(warm)
+        except (Gone, BiCodecShmError):
+            pass  # the server went away, or the handle closed: the slots go with the attachment
+
+    def _rewarm(self, seg: Segment, seq: int) -> int | None:
+        """Re-take the warm slot for request ``seq`` if it is still as we left it (CLAIMED, same
+        claim epoch: the reaper has not freed it, so nobody else has had it); None otherwise.
+        Called with the claim lock held."""
+        slot, gen = self.warm
+        self.loose.add(slot)  # first: from here its lock may be ours
+        self.warm = None
         if not seg.try_lock_slot(slot):
+            self.loose.discard(slot)
             return None  # the reaper, or a claimer after it, has it now
         f = seg.field
         if int(f["state"][slot]) == CLAIMED and int(f["generation"][slot]) == gen:
-            with self.lock:
-                self.owned.add(slot)
+            self._book(slot, seq)
             return slot
         if int(f["state"][slot]) == FREE:
-            self._own(seg, slot)  # freed by the reaper meanwhile: an ordinary claim
+            self._own(seg, slot, seq)  # freed by the reaper meanwhile: an ordinary claim
             return slot
         seg.unlock_slot(slot)
+        self.loose.discard(slot)
         return None
 
     # -- one request ---------------------------------------------------------------------------
@@ -493,7 +628,11 @@ class Attachment:
                         drain(seg.bell(index))
                         self.bell = index
                         return index
-        return NO_BELL  # every bell is taken: the waiter polls instead (rare; see _wait_loop)
+                # Every bell is taken: the waiter polls instead (rare). Recorded, so that it
+                # polls at its short interval while requests are pending (see _sleep_on_bell);
+                # it forgets NO_BELL when it goes idle, and the next request tries again.
+                self.bell = NO_BELL
+                return NO_BELL
 
     def register(self, slot: int, seq: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> int:
         """Expect the answer to asyncio request ``seq`` in ``slot``; returns the bell the
@@ -604,7 +743,7 @@ class Attachment:
             pending, self.pending = list(self.pending.values()), {}
             slot_waiters, self.async_slot_waiters = list(self.async_slot_waiters), deque()
             self.changed.notify_all()
-            unused = self.users == 0
+            unused = not self.users
         for _, loop, future in pending:
             _resolve(loop, future, self._retired_error(), False)
         for loop, future in slot_waiters:
@@ -618,8 +757,13 @@ class Attachment:
         waiter = self.waiter
         if waiter is not None and waiter is not threading.current_thread():
             waiter.join(wait)
-        with self.lock:
-            self.changed.wait_for(lambda: self.users == 0, timeout=wait)
+        until = time.monotonic() + wait
+        while True:
+            with self.lock:
+                if not self.users or time.monotonic() >= until:
+                    break
+                waiter = self.changed.add()
+            self._sleep(waiter, max(0.0, until - time.monotonic()))
         self._unmap()
 
     def _unmap(self) -> None:
@@ -658,6 +802,50 @@ class Attachment:
         seg, self.segment = self.segment, None
         if seg is not None:
             seg.close()
+
+
+class _Wakeups:
+    """Threads waiting for a change of the attachment (a slot of ours back, the last user
+    gone), woken by whoever makes it. Every method is called with the attachment's lock held.
+
+    Not ``threading.Condition``: its ``wait`` releases the lock it waits with and re-takes it
+    in Python code, where a signal handler's exception can land between the two (after the
+    release, before its ``try``; or in the re-take). The caller's ``with`` then releases the
+    lock a second time, dropping another thread's hold under it (mutual exclusion gone, and
+    that thread's own release raises ``RuntimeError``), or the lock ends up held by nobody.
+    Here each waiter sleeps on a lock of its own, outside the attachment's lock, which is only
+    ever taken with ``with``."""
+
+    def __init__(self) -> None:
+        self.waiters: list[threading.Lock] = []
+
+    def add(self) -> threading.Lock:
+        waiter = threading.Lock()
+        waiter.acquire()  # released once, by the ``notify_all`` that takes it off the list
+        self.waiters.append(waiter)
+        return waiter
+
+    def discard(self, waiter: threading.Lock) -> None:
+        if waiter in self.waiters:
+            self.waiters.remove(waiter)
+
+    def notify_all(self) -> None:
+        # Off the list first, then released: each waiter exactly once, even if this is cut
+        # short (one not released yet wakes at its timeout, a slice at most).
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            waiter.release()
+
+
+def _ask_for_a_slot(seg: Segment) -> None:
+    """Tell the server that a claimer found no FREE slot, so that it reaps at once (idle
+    handles' warm slots come back only through the reaper) instead of at its next tick.
+
+    A fresh random value each time, not a count: whatever way several claimers' stores
+    interleave, the last one differs from what the server last acted on. Then ``ready`` wakes
+    the server (a wake-up only; the server reads the value after draining it)."""
+    seg.header["slot_wanted"] = secrets.randbits(63) | 1
+    seg.ready.release()
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, ok: bool) -> None:

@@ -182,6 +182,10 @@ HEADER_DT = np.dtype(
         ("level_vocab", "<u4", (MAX_LEVELS,)),
         ("samples_per_frame", "<u4"),
         ("sample_rate", "<u4"),
+        # The one header field clients write: a claimer that found no FREE slot stores a fresh
+        # random value here and posts ``ready``; the server reaps at once when it changed
+        # (server.py, ``_reap_if_due``). A hint, never computed with.
+        ("slot_wanted", "<u8"),
     ],
     align=True,
 )

@@ -41,7 +41,7 @@ from .layout import (
     SERVING_BYTE,
     Phase,
 )
-from .locks import _open_lock_fd, close_lock_fd, held_elsewhere, try_lock
+from .locks import _lock_fds, _open_lock_fd, close_lock_fd, held_elsewhere, try_lock
 
 log = logging.getLogger("bicodec_shm.protocol")
 
@@ -94,6 +94,8 @@ def _unlink_semaphores(name: str) -> int:
                 removed += 1
             except posix_ipc.ExistentialError:
                 pass
+            except posix_ipc.PermissionsError:
+                pass  # another user's, in the sticky /dev/shm: not ours to remove (create says so)
     return removed
 
 
@@ -114,7 +116,30 @@ def reserve_name(name: str, *, mode: int = DEFAULT_MODE, wait: float = 0.0) -> i
     second would-be server waits or is refused. Waits up to ``wait`` seconds for a server
     that is starting or stopping; raises ``ServerAlreadyRunningError`` for a live one."""
     validate_name(name)
-    return _own_name(name, mode, time.monotonic() + wait)
+    before = set(_lock_fds)
+    try:
+        return _own_name(name, mode, time.monotonic() + wait)
+    except BaseException:
+        # Also an exception from a signal handler (Ctrl-C while a server starts), which may
+        # land between creating the name and returning it: leave no descriptor of ours open,
+        # and no fresh (empty) reservation that nobody owns.
+        for fd in set(_lock_fds) - before:
+            if _same_inode(fd, name) or os.fstat(fd).st_nlink == 0:  # (not another thread's)
+                close_lock_fd(fd)
+        _remove_unowned_reservation(name)
+        raise
+
+
+def _remove_unowned_reservation(name: str) -> None:
+    try:
+        fd = _open_lock_fd(name)
+    except posix_ipc.Error:
+        return
+    try:
+        if try_lock(fd, OWNER_BYTE) and os.fstat(fd).st_size == 0 and _same_inode(fd, name):
+            _unlink_segment(name)
+    finally:
+        close_lock_fd(fd)
 
 
 def release_name(fd: int, name: str) -> None:

@@ -179,7 +179,10 @@ class Segment:
         # A separate open for the mapping: mmap dups the descriptor it maps, and that dup would
         # share the lock descriptor's open file description, and so its locks, with every
         # process that inherits it.
-        shm = posix_ipc.SharedMemory(f"/{self.name}")
+        try:
+            shm = posix_ipc.SharedMemory(f"/{self.name}")
+        except posix_ipc.ExistentialError:  # unlinked since our lock descriptor's open (a restart)
+            raise ServerUnavailableError(f"{self.name!r} was removed while attaching") from None
         try:
             a, b = os.fstat(shm.fd), os.fstat(self._lock_fd)
             if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):

@@ -14,6 +14,15 @@ so its exception propagates from the wait like from any other Python call.
 Each name is opened once per ``Waiter``, right after posix_ipc opened it (glibc maps a named
 semaphore's inode once per process and counts its opens, so this shares posix_ipc's mapping),
 and closed with the ``Waiter``.
+
+Fork safety: ``sem_open`` and ``sem_close`` hold glibc's process-wide ``sem_mappings_lock``
+while they search its registry of mapped semaphores, and glibc does not reset that lock in a
+forked child. A fork that lands while another thread is inside one of them leaves the lock held
+in the child for ever, and the child's next ``sem_open``/``sem_close`` (the at-fork hook's
+``Segment.close`` is one) never returns. So those two go through ``ctypes.PyDLL``, which keeps
+the GIL for the call: ``os.fork`` runs with the GIL held, so no other thread of ours can be
+inside them at that instant (posix_ipc keeps the GIL for its own calls too). Only the wait,
+which touches no registry, releases the GIL.
 """
 
 from __future__ import annotations
@@ -24,17 +33,19 @@ import errno
 import os
 import time
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_LIBC = ctypes.util.find_library("c") or "libc.so.6"
+_libc = ctypes.CDLL(_LIBC, use_errno=True)  # releases the GIL: only for the wait
+_libc_gil = ctypes.PyDLL(_LIBC, use_errno=True)  # keeps the GIL: atomic with respect to fork
 
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_sem_open = _libc.sem_open
+_sem_open = _libc_gil.sem_open
 _sem_open.restype = ctypes.c_void_p
 _sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_sem_close = _libc.sem_close
+_sem_close = _libc_gil.sem_close
 _sem_close.argtypes = [ctypes.c_void_p]
 _SEM_FAILED = ctypes.c_void_p(0).value  # glibc's SEM_FAILED is ((sem_t *) 0)
 

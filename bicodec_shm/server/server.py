@@ -213,7 +213,9 @@ class DecoderServer:
         self._serving = threading.Event()  # serve_forever has begun (in whichever thread)
         self._stopped = threading.Event()
         self._teardown_lock = threading.Lock()
-        self._held: set[int] = set()  # slots in planned or running batches
+        # Slots in planned or running batches -> the seen time of the request that holds each (a
+        # new one for every confirmation: a slot held again, by another lane, is told apart).
+        self._held: dict[int, int] = {}
         self._held_lock = threading.Lock()
         self._counters_lock = threading.Lock()
         # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
@@ -227,6 +229,7 @@ class DecoderServer:
         self._answered: set[int] = set()  # slots answered since the last batch was planned
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
+        self._reap_asked = 0  # the header's ``slot_wanted`` when the reaper last ran (a hint)
         self._lane_idle_since = [time.monotonic_ns()] * self.max_lanes
         self._segment = Segment.create(
             name,
@@ -240,25 +243,25 @@ class DecoderServer:
             reserved=reserved,
         )
         self.n_bells = slots
-        self._segment.start_serving()
-        if metrics_port is not None:
-            from .metrics import MetricsExporter  # needs prometheus_client: only on this path
+        try:  # from here on, a failure (or a Ctrl-C's KeyboardInterrupt) unlinks what was made
+            self._segment.start_serving()
+            if metrics_port is not None:
+                from .metrics import MetricsExporter  # needs prometheus_client: only on this path
 
-            try:
                 self.metrics = MetricsExporter(self._segment, port=metrics_port, host=metrics_host)
-            except BaseException:
-                self._teardown()
-                raise
-        log.info(
-            "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
-            "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d%s (threads each: %s), mode=%o, "
-            "segment %.1f MiB",
-            name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
-            max_batch_tokens, min_fill, self.device, self.lanes,
-            f" to start, measuring {self._tuner.candidates}" if self._tuner else "",
-            self.threads_per_lane, mode,
-            self._segment.layout.total_size / 2**20,
-        )  # fmt: skip
+            log.info(
+                "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
+                "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d%s (threads each: %s), mode=%o, "
+                "segment %.1f MiB",
+                name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
+                max_batch_tokens, min_fill, self.device, self.lanes,
+                f" to start, measuring {self._tuner.candidates}" if self._tuner else "",
+                self.threads_per_lane, mode,
+                self._segment.layout.total_size / 2**20,
+            )  # fmt: skip
+        except BaseException:
+            self._teardown()
+            raise
 
     @property
     def threads_per_lane(self) -> int | None:
@@ -421,6 +424,10 @@ class DecoderServer:
             if not waiting:
                 if not block:
                     return None
+                if self._slot_wanted(seg) != self._reap_asked:
+                    # A claimer asked after the reap above, and its ``ready`` post went in
+                    # the scan's drain: reap now, or it waits for the tick.
+                    continue
                 self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
                 continue
             if self.rejoin_ms > 0 and waiting < self.max_batch:
@@ -438,7 +445,7 @@ class DecoderServer:
             for slot in chosen_slots:
                 self._confirmed.pop(slot, None)
             with self._held_lock:
-                self._held.update(chosen_slots)
+                self._held.update(zip(chosen_slots, req.seen_ns.tolist()))
             batch, failures = gather(seg, req, semantic_vocab=self.semantic_vocab,
                                      global_vocab=self.global_vocab)  # fmt: skip
             for slot, status, message in failures:
@@ -600,7 +607,8 @@ class DecoderServer:
         the slot left the held set, so the dispatcher never skips its next request (a lost
         wake-up: it would wait for the next tick of the reaper)."""
         with self._held_lock:
-            self._held.difference_update(slots)
+            for slot in slots:
+                self._held.pop(slot, None)
             ring(self.segment, slots, bells)
 
     def _fail_row(self, batch: Batch, row: int, message: str) -> None:
@@ -645,7 +653,11 @@ class DecoderServer:
             self._measure(batch)
         self._lane_idle_since[lane] = time.monotonic_ns()
         with self._held_lock:  # normally done already, when each row was answered
-            self._held.difference_update(batch.slots.tolist())
+            # Only the rows this batch still holds: a row answered already may be held again,
+            # by another lane, for its client's next request.
+            for slot, seen in zip(batch.slots.tolist(), batch.requests.seen_ns.tolist()):
+                if self._held.get(slot) == seen:
+                    del self._held[slot]
         with self._counters_lock:
             self.segment.header["busy_lanes"] -= 1
 
@@ -668,12 +680,29 @@ class DecoderServer:
     # -- reaping ----------------------------------------------------------------------------
 
     def _reap_if_due(self) -> None:
+        """Reap at each tick, and at once when a claimer asked for a slot: one that found no
+        FREE slot stores a fresh value in the header's ``slot_wanted`` and posts ``ready``
+        (attachment.py), because idle handles' warm slots come back only through a reap and
+        a new handle must not wait a whole tick for one."""
+        seg = self.segment
+        wanted = self._slot_wanted(seg)
+        asked, self._reap_asked = wanted != self._reap_asked, wanted
         if time.monotonic() >= self._next_reap:
             self.reap()
             self._next_reap = time.monotonic() + self.reap_interval
+        elif asked:
+            self.reap(asked=True)
 
-    def reap(self) -> int:
+    @staticmethod
+    def _slot_wanted(seg: Segment) -> int:
+        # Client-written and read without pairing: only compared, to decide whether to reap.
+        return int(seg.header["slot_wanted"])
+
+    def reap(self, *, asked: bool = False) -> int:
         """Reclaim slots whose owner died; returns how many were reclaimed.
+
+        ``asked``: a claimer asked for a slot. What such a reap frees is mostly idle handles'
+        warm slots, routine under many handles: counted, logged at DEBUG only.
 
         A live owner holds its slot's lock for as long as it owns the slot. If the server can
         take that lock, the owner is gone (the kernel dropped the lock when it died). Slots held
@@ -713,8 +742,8 @@ class DecoderServer:
                 seg.counters[C_RECLAIMED] += reclaimed
             # Not only the dead: an idle client leaves one warm slot unlocked (attachment.py),
             # and a request that timed out lets go of its slot; both come back here.
-            log.info("reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)",
-                     reclaimed)
+            log.log(logging.DEBUG if asked else logging.INFO,
+                    "reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)", reclaimed)
         return reclaimed
 
     def _on_stop_signal(self, signum: int) -> None:

@@ -6,15 +6,17 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import io
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
 
 from .._version import __version__
-from ..codecs.layout import default_max_frames, get_layout
+from ..codecs.layout import MAX_FRAMES, default_max_frames, get_layout
 from ..errors import BiCodecShmError, ServerAlreadyRunningError
 from ..protocol.group import validate_group_name
 from ..protocol.layout import DEFAULT_MAX_TOKENS, DEFAULT_SLOTS, DEFAULT_START_WAIT, MAX_SLOTS, Layout
@@ -36,6 +38,7 @@ from ..server.batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
+from ..server.signals import StartupSignals, sigint_ignored
 from .decode_cmd import _cmd_decode
 from .model_args import CODECS, add_model_args, load_decoder, resolve_preset
 from .stats_cmd import _cmd_stats, marked_stopping, pid_clause
@@ -54,7 +57,7 @@ Exit status, so that it serves as a health probe (Docker HEALTHCHECK, a Kubernet
      on standard error says which, and what to do: start a server, or `bicodec-shm cleanup NAME`)
 With --watch it runs until interrupted, one line per interval."""
 # transport.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
-MAX_TOKENS_LIMIT = 100_000
+MAX_TOKENS_LIMIT = MAX_FRAMES
 # How long `serve` waits for a live server under its name to stop before refusing (a rolling
 # restart: SIGTERM to the old server, which finishes its running batch, and a new `serve` at once).
 NAME_GRACE = 5.0
@@ -294,34 +297,61 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         require_prometheus_client()
     check_free_space(Layout(args.slots, args.max_tokens, codec).total_size)
     wait_for_name(args.name)
-    # Own the name before the model loads: while it loads the name reads as "starting", so the
-    # clients of a server that just stopped (a rolling restart) wait for this one.
-    reserved = reserve_name(args.name, mode=args.mode, wait=DEFAULT_START_WAIT)
+    # `kill -USR1 PID` prints where every thread of the server is (a server that will not stop).
+    dumps = _register_stack_dumps()
     try:
-        from ..server.server import DecoderServer
+        return _serve_one(args)
+    finally:
+        if dumps:
+            faulthandler.unregister(signal.SIGUSR1)
 
-        decoder = load_decoder(args)
-    except BaseException:
-        release_name(reserved, args.name)
-        raise
-    server = DecoderServer(
-        decoder,
-        args.name,
-        slots=args.slots,
-        max_batch=args.max_batch,
-        max_wait_ms=args.max_wait_ms,
-        rejoin_ms=args.rejoin_ms,
-        max_batch_tokens=args.max_batch_tokens,
-        min_fill=args.min_fill,
-        lanes=args.lanes,
-        max_tokens=args.max_tokens,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        mode=args.mode,
-        reserved=reserved,
-    )
-    print(f"bicodec-shm: serving on {args.name!r} (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    server.serve_forever()
+
+def _register_stack_dumps() -> bool:
+    """SIGUSR1 prints every thread's stack to stderr; False where stderr has no descriptor."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return True
+        except (AttributeError, ValueError, OSError, RuntimeError):
+            continue
+    return False
+
+
+def _serve_one(args: argparse.Namespace) -> int:
+    # From owning the name on, SIGINT and SIGTERM stop the start-up cleanly (server/signals.py).
+    with StartupSignals() as startup:
+        # Own the name before the model loads: while it loads the name reads as "starting", so
+        # the clients of a server that just stopped (a rolling restart) wait for this one.
+        reserved = reserve_name(args.name, mode=args.mode, wait=DEFAULT_START_WAIT)
+        try:
+            from ..server.server import DecoderServer
+
+            decoder = load_decoder(args)
+        except BaseException:
+            release_name(reserved, args.name)
+            raise
+        startup.deferred()  # the server below owns `reserved`, and must reach hand_to
+        server = DecoderServer(
+            decoder,
+            args.name,
+            slots=args.slots,
+            max_batch=args.max_batch,
+            max_wait_ms=args.max_wait_ms,
+            rejoin_ms=args.rejoin_ms,
+            max_batch_tokens=args.max_batch_tokens,
+            min_fill=args.min_fill,
+            lanes=args.lanes,
+            max_tokens=args.max_tokens,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            mode=args.mode,
+            reserved=reserved,
+        )
+        startup.hand_to(server)
+        how = ("SIGINT is ignored here, as in a background job: stop it with SIGTERM"
+               if sigint_ignored() else "Ctrl-C to stop")  # fmt: skip
+        print(f"bicodec-shm: serving on {args.name!r} ({how})", file=sys.stderr, flush=True)
+        server.serve_forever()
     return 0
 
 

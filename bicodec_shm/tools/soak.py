@@ -1,40 +1,63 @@
-"""``bicodec-shm soak``: a server and N client processes for a while, with random kills.
+"""``bicodec-shm soak``: a server and N client processes for a while, with random faults.
 
 Clients send random requests drawn from a pool whose reference audio (each request decoded alone,
 unpadded, in this process) is written to a file they load with numpy; every result is compared
-with it (float32 within 1e-4, int16 within 1 LSB). Each client decodes from two threads at once
-(synchronous calls and asyncio calls). Meanwhile, at random:
+with it (float32 within 1e-4, int16 within 1 LSB). In each client process one handle is shared
+by ``--threads`` synchronous caller threads and ``--async-calls`` concurrent asyncio calls, and
+``--churn`` more threads attach a handle of their own, decode once and close it, over and over.
+Meanwhile, at random:
 
 - clients are SIGKILLed and replaced;
 - the server is SIGKILLed and restarted after a random pause (``--kill-server-every``);
 - the server gets SIGTERM and a new one is started at once, a rolling restart
   (``--term-server-every``);
-- a client forks with its asyncio thread running (``--fork-every``): the child decodes a few
+- a client forks with its threads running (``--fork-every``): the child decodes a few
   requests with the handle it inherited, then exits; its parent may be killed meanwhile;
-- a client closes its handle with calls in flight and opens a new one (``--close-every``);
+- every client forks every ``--bare-fork-every`` seconds (mean) a child that exits at once,
+  while its other threads attach, decode and close: a child that does not exit within
+  ``BARE_FORK_EXIT`` seconds is hung;
+- a client closes its shared handle with calls in flight and opens a new one
+  (``--close-every``);
 - a client or the server is SIGSTOPped for a moment (``--stop-every``);
-- a share of synchronous calls is interrupted by a SIGALRM handler raising
-  ``KeyboardInterrupt`` (``--interrupt-share``), and a share of requests carries a garbage
-  submit time (``--garbage-share``: 0 or the largest u64, as a buggy or hostile client would);
+- a share of calls, in every caller thread, gets an exception at a random bytecode of the
+  package's code (``--inject-share``; ``sys.settrace`` opcode events), so between any two steps
+  of the client's state changes, as a signal handler's exception may land;
+- a share of the main thread's calls is interrupted by a SIGALRM handler raising
+  ``KeyboardInterrupt`` after a random 30 us to 50 ms (``--interrupt-share``);
+- a share of asyncio calls is cancelled at a random moment (``--cancel-share``), and a share of
+  requests carries a garbage submit time (``--garbage-share``: 0 or the largest u64, as a buggy
+  or hostile client would);
 - with ``--group``, the server is a group of two members: server kills hit one member (the
   supervisor restarts it), rolling restarts replace the whole group.
 
 Each client appends one line per event to its own log, line-buffered, so that a killed client
-loses nothing already said: ``S i`` sent, ``O i`` correct, ``W i`` wrong audio, ``E i Kind``
-failed with a clear error. At the end:
+loses nothing already said (``client_main`` lists the tags). At the end:
 
 - *lost*: sent by a client that was not killed, and never answered (hang or silent loss);
+- *timed out*: a call that ended with ``DecodeTimeoutError`` (``--call-timeout``, far longer than
+  any fault here lasts): a request nobody answered, or a slot nobody freed;
+- *undocumented errors*: a caller saw an exception outside the documented tree;
+- *slots owned without their lock*: a thread of each client checks, every 20 ms, that every
+  slot the shared handle counts as its own is locked by it;
+- *fresh client*: once the faults stop, with every client still running, a new client in a
+  process of its own must get a slot and its own audio;
+- *hung*: a client that does not exit once asked to, a caller thread that does not finish, a
+  forked child that does not exit;
 - *killed in flight*: sent by a client that was then SIGKILLed (not an error of ours);
 - *leaked slots*: slots not FREE, or bells still locked, once every client is gone and the
   reaper has run;
 - *left in /dev/shm*: objects of the name after the server's clean stop.
 
-Lost, wrong, leaked and left-over must all be 0.
+All of these but *killed in flight* must be 0. A failed soak keeps its clients' logs and names
+the folder (``BICODEC_SHM_SOAK_DEBUG=1`` also records every error's message).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dis
+import functools
 import json
 import os
 import random
@@ -43,8 +66,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -62,7 +86,7 @@ class SoakResult:
     client_kills: int
     server_kills: int
     server_term_restarts: int
-    client_forks: int
+    client_forks: int  # forks asked for (their children decode)
     client_closes: int
     stops: int
     hung_clients: int
@@ -75,116 +99,371 @@ class SoakResult:
     leaked_slots: int
     left_in_dev_shm: int
     errors_by_kind: dict
+    forks: int = 0  # every fork made, bare ones included
+    timed_out: int = 0  # DecodeTimeoutError: nobody answered, or no slot came free
+    undocumented_errors: int = 0  # an exception outside the documented tree reached a caller
+    undocumented_by_kind: dict = field(default_factory=dict)
+    hung_threads: int = 0
+    hung_forks: int = 0
+    unlocked_owned: int = 0  # times a handle owned a slot without holding its lock
+    fresh_client_failures: int = 0  # a fresh client in another process got no correct answer
+    fresh_client_detail: str = ""
+    work_dir: str = ""  # kept when the soak failed: the clients' logs
+
+    @property
+    def hung(self) -> int:
+        return self.hung_clients + self.hung_threads + self.hung_forks
 
     @property
     def ok(self) -> bool:
         return (self.lost == self.wrong_audio == self.leaked_slots == self.left_in_dev_shm
-                == self.hung_clients == 0)  # fmt: skip
+                == self.hung == self.timed_out == self.undocumented_errors == self.unlocked_owned
+                == self.fresh_client_failures == 0)  # fmt: skip
 
 
 # -- the client process ------------------------------------------------------------------
 
+# Where injected exceptions land: the package's own code (this harness excluded), and the
+# standard library's Python code it runs (its locks' conditions, its context managers), where a
+# signal lands as well as anywhere.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HARNESS = os.path.abspath(__file__)
+_INJECTED = (_PACKAGE, threading.__file__, contextlib.__file__)
+# Injection points (``_Injector``) that one call passes, about (measured on CPython 3.11: a warm
+# decode 170, a churn cycle of attach, decode and close 510; more when a call waits or
+# retries): an injection picks one of the first SPAN at random, so it lands anywhere in the
+# call, its clean-ups included, and now and then past the end of a short one.
+_DECODE_POINTS = 220
+_CHURN_POINTS = 620
+FORK_REQUESTS = 20  # a decoding child's requests, at most
+FORK_SECONDS = 15.0  # a decoding child starts no request after this; its exit must follow its last call
+BARE_FORK_EXIT = 20.0  # seconds a forked child may take to exit before it counts as hung
+THREAD_EXIT = 30.0  # seconds a caller thread may take to finish once asked to stop, past its timeout
+
+
+def _decoding_fork_exit(call_timeout: float) -> float:
+    """Seconds a decoding child may take to exit: its requests' time, one call's timeout past
+    it (a call that timed out ends with an error, not a hang), and slack for a loaded machine."""
+    return FORK_SECONDS + call_timeout + 30.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, as a SIGALRM handler raises it in the middle of a call (the main thread)."""
+
+
+class Injected(KeyboardInterrupt):
+    """An exception at a random bytecode of the package's code, in whichever caller thread
+    runs it: what a signal handler raises in the main thread (a SIGALRM deadline, Celery's soft
+    time limit), and an asynchronous exception (``PyThreadState_SetAsyncExc``) in any thread."""
+
+
+# Where CPython runs a pending signal handler (and raises an asynchronous exception): on entry
+# to a function or a resumed generator, after a call into C returns, and at a backward jump.
+# Nowhere else: not between a store and the next call, and not between a ``with`` block's last
+# statement and its ``__exit__`` (no exception can arrive there, so nothing may be asked to
+# survive one).
+_OP = dis.opmap
+_CALLS = {_OP[n] for n in ("CALL", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_METHOD", "CALL_FUNCTION_EX")
+          if n in _OP}  # fmt: skip
+_PRECALL = _OP.get("PRECALL", -1)  # 3.11: a specialized PRECALL makes the call and skips CALL
+_BACKWARD = {_OP[n] for n in ("JUMP_BACKWARD", "JUMP_ABSOLUTE") if n in _OP}
+
+
+@functools.lru_cache(maxsize=None)
+def _next_instruction(code) -> dict[int, int]:
+    """Offset of each instruction of ``code`` -> offset of the one after it (caches skipped)."""
+    offsets = [i.offset for i in dis.get_instructions(code)]
+    return dict(zip(offsets, offsets[1:]))
+
+
+class _Injector:
+    """Runs a call, and for a share of calls raises ``Injected`` at a random one of the points
+    where a signal handler's exception could arrive in the package's code while it runs
+    (``sys.settrace`` call and opcode events; see ``_CALLS``). So between any two steps of the
+    client's state changes, not only where a wait returns. Per thread: ``sys.settrace`` traces
+    the calling thread only."""
+
+    def __init__(self, share: float, rng: random.Random) -> None:
+        self.share, self.rng = share, rng
+        self.passed = 0  # injection points passed in traced calls (how ``_DECODE_POINTS`` was measured)
+
+    def run(self, call, span: int):
+        if not self.share or self.rng.random() >= self.share:
+            return call()
+        left = [self.rng.randrange(1, span)]
+        frames_entered = [0]  # Python frames entered so far (a call that entered none was C)
+
+        def point() -> None:
+            self.passed += 1
+            left[0] -= 1
+            if left[0] == 0:
+                raise Injected()  # CPython unsets the trace function; the frame raises
+
+        in_finalizer = [0]
+
+        def finalizer(frame, event, arg):
+            if event == "return":
+                in_finalizer[0] -= 1
+            return finalizer
+
+        def enter(frame, event, arg):
+            frames_entered[0] += 1
+            if frame.f_code.co_name == "__del__":
+                # A finalizer the garbage collector runs during the call: an exception there
+                # never reaches a caller (Python prints and drops it). Not injected into.
+                in_finalizer[0] += 1
+                return finalizer
+            path = frame.f_code.co_filename
+            if in_finalizer[0] or not path.startswith(_INJECTED) or path == _HARNESS:
+                return None
+            frame.f_trace_opcodes = True
+            code = frame.f_code.co_code
+            after = _next_instruction(frame.f_code)
+            last = [-1, frames_entered[0]]  # this frame's previous instruction; frames entered then
+
+            def step(frame, event, arg):
+                if event == "opcode":
+                    at = frame.f_lasti
+                    prev, c_call = last[0], frames_entered[0] == last[1]
+                    last[0], last[1] = at, frames_entered[0]
+                    if prev < 0:
+                        return step
+                    op = code[prev]
+                    # A call into C that *returned* (the next instruction runs, not a handler:
+                    # CPython checks for signals on the way out of a call that succeeded only).
+                    returned = c_call and (
+                        (op in _CALLS and at == after.get(prev))
+                        or (op == _PRECALL and at == after.get(after.get(prev, -1))))
+                    if returned or op in _BACKWARD:
+                        point()
+                return step
+
+            point()  # the frame's entry (or its resumption)
+            return step
+
+        sys.settrace(enter)
+        try:
+            return call()
+        finally:
+            sys.settrace(None)
+
+
+# What a caller may see besides audio: the documented errors, and the faults the soak itself
+# raises. Anything else (an internal class, a raw posix_ipc or numpy error) is a bug.
+def _outcome(exc: BaseException) -> str:
+    import asyncio
+
+    from ..errors import BiCodecShmError, DecodeTimeoutError
+
+    if isinstance(exc, DecodeTimeoutError):
+        return "T"  # a request nobody answered, or a slot nobody freed: lost
+    if isinstance(exc, (BiCodecShmError, Interrupted, Injected, asyncio.CancelledError)):
+        return "E"
+    return "U"
+
 
 def client_main(argv: list[str]) -> int:
-    """``python -m bicodec_shm.tools.soak client NAME POOL LOG SEED STOPFILE FORKS``
+    """``python -m bicodec_shm.tools.soak client NAME POOL LOG SEED STOPFILE FORKS OPTIONS``
 
-    SIGUSR1 asks the client to fork: the child appends "PID LOG" to the file FORKS, decodes
-    ``FORK_REQUESTS`` requests with the handle it inherited, and exits.
+    OPTIONS is a JSON object of the soak's client options (``_client_options``). One handle is
+    shared by ``threads`` synchronous caller threads (this one included) and ``async_calls``
+    concurrent asyncio calls in one event-loop thread; ``churn`` more threads each attach a
+    handle of their own, decode once and close it, over and over. This thread also forks: on
+    SIGUSR1 a child that decodes ``FORK_REQUESTS`` requests with the handle it inherited, and
+    every ``bare_fork_every`` seconds (mean) a child that exits at once (its at-fork hooks ran
+    while the other threads attach, decode and close). SIGUSR2 closes the shared handle with
+    calls in flight and opens a new one.
+
+    Log lines: ``S i`` sent; then ``O i`` correct, ``W i`` wrong audio, ``E i Kind`` a
+    documented error, ``T i`` a timeout (lost), ``U i Kind`` an undocumented exception; ``F``
+    a fork, ``H what`` something hung, ``X slot`` a slot the handle owns without its lock.
     """
     import asyncio
+    import faulthandler
     import signal
-    import threading
     import warnings
 
     from ..client.decoder_client import DecoderClient
-    from ..errors import BiCodecShmError
 
-    name, pool_path, log_path, seed, stop_file, forks_path, interrupt_share, garbage_share, grace = argv
-    interrupt_share, garbage_share, grace = float(interrupt_share), float(garbage_share), float(grace)
+    name, pool_path, log_path, seed, stop_file, forks_path, options = argv
+    opt = json.loads(options)
     with np.load(pool_path) as z:  # read it all now: a lazy NpzFile is not thread- or fork-safe
         pool = {key: z[key] for key in z.files}
     count = len([k for k in pool if k.startswith("sem_")])
     rng = random.Random(int(seed))
+    stopping = threading.Event()
     fork_asked = threading.Event()
     close_asked = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: fork_asked.set())
     signal.signal(signal.SIGUSR2, lambda *_: close_asked.set())
-
-    class Interrupted(KeyboardInterrupt):
-        """Ctrl-C, as a SIGALRM handler raises it in the middle of a call."""
+    armed = [False]  # the SIGALRM handler raises only inside a call of the main thread
 
     def interrupt(*_: object) -> None:
-        raise Interrupted()
+        if armed[0]:
+            raise Interrupted()
 
     signal.signal(signal.SIGALRM, interrupt)
-    if garbage_share:
+    # Where every thread is, for a client that hangs: the orchestrator sends SIGQUIT first.
+    stacks = open(log_path + ".stacks", "a")
+    faulthandler.register(signal.SIGQUIT, file=stacks, all_threads=True)
+    if opt["garbage_share"]:
         from ..protocol import attachment
 
-        attachment.time = _GarbageClock(garbage_share)  # what submit() writes as t_submit_ns
-    log = open(log_path, "a", buffering=1)
-    log_lock = threading.Lock()
+        attachment.time = _GarbageClock(opt["garbage_share"])  # what submit() writes as t_submit_ns
+    out = _Log(log_path)
+    timeout = opt["call_timeout"]
 
     def connect() -> DecoderClient:
-        return DecoderClient(name, slots=3, timeout=60, connect_timeout=60, stop_grace=grace)
+        return DecoderClient(name, slots=3, timeout=timeout, connect_timeout=timeout,
+                             stop_grace=opt["stop_grace"])  # fmt: skip
 
     handle = [connect()]  # replaced on close
 
-    def note(line: str) -> None:
-        with log_lock:
-            log.write(line + "\n")
-
     def check(i: int, pcm: np.ndarray, dtype: str) -> bool:
         ref = pool[f"ref_{i}"]
-        if pcm.shape != ref.shape:
+        if not isinstance(pcm, np.ndarray) or pcm.shape != ref.shape:
             return False
         if dtype == "int16":
             expected = (np.clip(ref, -1, 1) * 32767).astype(np.int16).astype(np.int32)
-            return int(np.abs(pcm.astype(np.int32) - expected).max()) <= 1
-        return float(np.abs(pcm - ref).max()) <= 1e-4
+            return pcm.dtype == np.int16 and int(np.abs(pcm.astype(np.int32) - expected).max()) <= 1
+        return pcm.dtype == np.float32 and float(np.abs(pcm - ref).max()) <= 1e-4
 
     def failed(i: int, exc: BaseException, how: str) -> None:
-        note(f"E {i} {type(exc).__name__}")
-        if os.environ.get("BICODEC_SHM_SOAK_DEBUG"):  # each message too, for a failure's cause
-            with open(log_path + ".errors", "a") as f:
-                f.write(f"{time.monotonic():.3f} {how} {exc}\n")
+        tag = _outcome(exc)
+        out.note(f"{tag} {i}" + ("" if tag == "T" else f" {type(exc).__name__}"))
+        if tag != "E" or os.environ.get("BICODEC_SHM_SOAK_DEBUG"):  # the cause, for a failure
+            out.detail(f"{how}: {type(exc).__name__}: {exc}")
 
-    def one_sync(r: random.Random) -> None:
-        i, dtype = r.randrange(count), r.choice(["int16", "float32"])
-        note(f"S {i}")
+    def pick(r: random.Random) -> tuple[int, str]:
+        return r.randrange(count), r.choice(["int16", "float32"])
+
+    def think(r: random.Random) -> None:
+        """A pause between a thread's calls, now and then: the shared handle goes quiescent
+        (every slot back but the warm one) while another thread starts a call."""
+        if opt["think_ms"]:
+            stopping.wait(min(1.0, r.expovariate(1000 / opt["think_ms"])))
+
+    def one_sync(r: random.Random, injector: _Injector, signals: bool) -> None:
+        i, dtype = pick(r)
+        out.note(f"S {i}")
         try:
-            if r.random() < interrupt_share:
-                signal.setitimer(signal.ITIMER_REAL, r.uniform(0.0, 0.05))
-            pcm = handle[0].decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        except (BiCodecShmError, Interrupted) as exc:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            try:
+                if signals and r.random() < opt["interrupt_share"]:
+                    armed[0] = True
+                    # From 30 us to 50 ms: in the first steps of a call as often as in its waits.
+                    signal.setitimer(signal.ITIMER_REAL, 10 ** r.uniform(-4.5, -1.3))
+                pcm = injector.run(lambda: handle[0].decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype),
+                                   _DECODE_POINTS)  # fmt: skip
+            finally:
+                armed[0] = False
+                if signals:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+        except BaseException as exc:
             failed(i, exc, "sync")
             return
-        note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
+        out.note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
 
-    def async_thread() -> None:
-        r = random.Random(rng.random())
+    def sync_thread(seed: float) -> None:
+        r = random.Random(seed)
+        injector = _Injector(opt["inject_share"], r)
+        while not stopping.is_set():
+            one_sync(r, injector, signals=False)
+            think(r)
+
+    def cycle(own: list[DecoderClient], i: int, dtype: str) -> np.ndarray:
+        own.append(connect())
+        pcm = own[0].decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
+        own[0].close()
+        return pcm
+
+    def churn_thread(seed: float) -> None:
+        r = random.Random(seed)
+        injector = _Injector(opt["inject_share"], r)
+        while not stopping.is_set():
+            i, dtype = pick(r)
+            out.note(f"S {i}")
+            own: list[DecoderClient] = []
+            try:
+                pcm = injector.run(lambda: cycle(own, i, dtype), _CHURN_POINTS)  # noqa: B023 (called at once)
+            except BaseException as exc:
+                failed(i, exc, "churn")
+                continue
+            finally:
+                for c in own:
+                    c.close()  # again, whole this time, if an exception cut the first one short
+            out.note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
+
+    def async_thread(seed: float) -> None:
+        r = random.Random(seed)
 
         async def one() -> None:
-            i, dtype = r.randrange(count), r.choice(["int16", "float32"])
-            note(f"S {i}")
+            i, dtype = pick(r)
+            out.note(f"S {i}")
+            call = handle[0].decode_async(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
+            task = asyncio.ensure_future(call)
+            if r.random() < opt["cancel_share"]:  # a cancelled request (a client's disconnect)
+                asyncio.get_running_loop().call_later(r.uniform(0.0, 0.05), task.cancel)
             try:
-                pcm = await handle[0].decode_async(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype=dtype)
-            except BiCodecShmError as exc:
+                pcm = await task
+            except BaseException as exc:
                 failed(i, exc, "async")
                 return
-            note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
+            out.note(f"{'O' if check(i, pcm, dtype) else 'W'} {i}")
 
-        async def loop() -> None:
-            while not os.path.exists(stop_file):
+        async def caller() -> None:
+            while not stopping.is_set():
                 await one()
+                if opt["think_ms"]:
+                    await asyncio.sleep(min(1.0, r.expovariate(1000 / opt["think_ms"])))
 
-        asyncio.run(loop())
+        async def main() -> None:
+            await asyncio.gather(*(caller() for _ in range(opt["async_calls"])))
 
-    helper = threading.Thread(target=async_thread, daemon=True)
-    helper.start()
+        asyncio.run(main())
+
+    def bare_fork_thread(seed: float) -> None:
+        """Forks whose child exits at once: its at-fork hooks run while the other threads
+        attach, decode and close (a fork that lands inside glibc's semaphore registry calls of
+        another thread must not leave the child waiting forever)."""
+        r = random.Random(seed)
+        bare = _Children(forks_path)
+        while not stopping.wait(r.expovariate(1 / opt["bare_fork_every"])):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the point
+                pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            out.note("F")
+            bare.add(pid, "-", BARE_FORK_EXIT)
+            for what in bare.poll():
+                out.note(f"H {what}")
+        for what in bare.wait():
+            out.note(f"H {what}")
+
+    def monitor_thread() -> None:
+        """Every slot the shared handle owns must be locked by it (the protocol's "no two
+        owners"): probed from a descriptor of our own on the same segment."""
+        probe = _OwnershipProbe()
+        while not stopping.wait(0.02):
+            for slot in probe.unlocked_owned(handle[0]):
+                out.note(f"X {slot}")
+        probe.close()
+
+    threads = [threading.Thread(target=sync_thread, args=(rng.random(),), daemon=True)
+               for _ in range(opt["threads"] - 1)]  # fmt: skip
+    threads += [threading.Thread(target=churn_thread, args=(rng.random(),), daemon=True)
+                for _ in range(opt["churn"])]  # fmt: skip
+    if opt["async_calls"]:
+        threads.append(threading.Thread(target=async_thread, args=(rng.random(),), daemon=True))
+    if opt["bare_fork_every"]:
+        threads.append(threading.Thread(target=bare_fork_thread, args=(rng.random(),), daemon=True))
+    threads.append(threading.Thread(target=monitor_thread, daemon=True))
+    for t in threads:
+        t.start()
+    children = _Children(forks_path)
+    injector = _Injector(opt["inject_share"], rng)
     while not os.path.exists(stop_file):
-        if close_asked.is_set():  # close with the async thread's calls in flight, then reopen
+        if close_asked.is_set():  # close with the other threads' calls in flight, then reopen
             close_asked.clear()
             old, handle[0] = handle[0], connect()
             old.close()
@@ -193,25 +472,156 @@ def client_main(argv: list[str]) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the point
                 pid = os.fork()
-            if pid == 0:  # the child: the inherited handle, this thread only
-                log.close()
-                log = open(f"{log_path}.fork{os.getpid()}", "a", buffering=1)
-                log_lock = threading.Lock()
-                with open(forks_path, "a") as forks:
-                    forks.write(f"{os.getpid()} {log.name}\n")
+            if pid == 0:  # the child: this thread only
+                out.reopen(f"{log_path}.fork{os.getpid()}")
                 child_rng = random.Random(os.getpid())
+                child_injector = _Injector(opt["inject_share"], child_rng)
+                until = time.monotonic() + FORK_SECONDS
                 for _ in range(FORK_REQUESTS):
-                    if os.path.exists(stop_file):
+                    if os.path.exists(stop_file) or time.monotonic() >= until:
                         break
-                    one_sync(child_rng)
+                    one_sync(child_rng, child_injector, signals=True)
                 handle[0].close()
-                log.close()
+                out.close()
                 os._exit(0)
-        one_sync(rng)
-    helper.join(90)
+            out.note("F")
+            children.add(pid, f"{log_path}.fork{pid}", _decoding_fork_exit(timeout))
+        for what in children.poll():
+            out.note(f"H {what}")
+        one_sync(rng, injector, signals=True)
+        think(rng)
+    stopping.set()
+    deadline = time.monotonic() + timeout + THREAD_EXIT
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            out.note(f"H thread {t.name}")
+    for what in children.wait():
+        out.note(f"H {what}")
+    # The shared handle still works after everything above (no slot of it wedged): one more
+    # call, uninterrupted.
+    one_sync(rng, _Injector(0.0, rng), signals=False)
     handle[0].close()
-    log.close()
-    return 0
+    out.close()
+    os._exit(0)  # a hung thread (noted above) must not keep the process alive
+
+
+class _Log:
+    """One client's log: a line per event, line-buffered (a SIGKILL loses nothing written)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.file = open(path, "a", buffering=1)
+
+    def note(self, line: str) -> None:
+        with self.lock:
+            self.file.write(line + "\n")
+
+    def detail(self, text: str) -> None:
+        with self.lock, open(self.path + ".errors", "a") as f:
+            f.write(f"{time.monotonic():.3f} {text}\n")
+
+    def reopen(self, path: str) -> None:
+        """In a forked child: a log of its own (the parent's lock may have been held at fork).
+        The parent's file object is kept, never closed nor flushed here: another thread may
+        have been writing a line into its buffer at the fork."""
+        self.abandoned = self.file
+        self.path, self.lock = path, threading.Lock()
+        self.file = open(path, "a", buffering=1)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _Children:
+    """The forked children of a client: each must exit within its time, or it counts as hung
+    (then it is SIGKILLed). Each is also listed in the soak's forks file with its start time,
+    so that the orchestrator finds one that outlived a killed parent."""
+
+    def __init__(self, forks_path: str) -> None:
+        self.forks_path = forks_path
+        self.pending: dict[int, tuple[float, str]] = {}
+
+    def add(self, pid: int, log: str, within: float) -> None:
+        self.pending[pid] = (time.monotonic() + within, log)
+        with open(self.forks_path, "a") as f:
+            f.write(f"{pid} {_start_time(pid)} {log}\n")
+
+    def poll(self) -> list[str]:
+        hung = []
+        for pid, (deadline, _) in list(self.pending.items()):
+            done, _status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del self.pending[pid]
+            elif time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGQUIT)  # its stack, into the parent log's .stacks
+                time.sleep(0.5)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                del self.pending[pid]
+                hung.append(f"fork {pid}")
+        return hung
+
+    def wait(self) -> list[str]:
+        hung = []
+        while self.pending:
+            hung += self.poll()
+            time.sleep(0.05)
+        return hung
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks (/proc: with the pid, names it despite reuse)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+class _OwnershipProbe:
+    """Finds slots a handle counts as its own whose lock it does not hold.
+
+    Probes with F_OFD_GETLK through a descriptor of its own on the segment's inode (a lock of
+    the handle's open file description shows as held from any other). Reads the handle's books
+    under the attachment's lock, with the mapping pinned (``use``): a slot cannot leave them,
+    nor its lock drop by the protocol's own steps, while the probe looks."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.inode: tuple[int, int] | None = None
+
+    def unlocked_owned(self, client) -> list[int]:
+        from ..errors import BiCodecShmError
+        from ..protocol.attachment import Gone
+        from ..protocol.layout import SLOT_BYTE0
+        from ..protocol.locks import held_elsewhere
+
+        att = getattr(client, "_att", None)
+        if att is None:
+            return []
+        try:
+            with att.use() as seg:
+                st = os.fstat(seg._lock_fd)
+                if self.inode != (st.st_dev, st.st_ino):
+                    self.close()
+                    self.fd = os.open(f"/dev/shm/{att.name}", os.O_RDONLY)
+                    mine = os.fstat(self.fd)
+                    self.inode = (mine.st_dev, mine.st_ino)
+                    if self.inode != (st.st_dev, st.st_ino):  # the name went to a new server
+                        return []
+                with att.lock:
+                    if att.retired is not None:
+                        return []
+                    return [s for s in sorted(att.owned) if not held_elsewhere(self.fd, SLOT_BYTE0 + s)]
+        except (Gone, BiCodecShmError, OSError):
+            return []
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.inode = -1, None
 
 
 class _GarbageClock:
@@ -227,7 +637,26 @@ class _GarbageClock:
         return time.monotonic_ns()
 
 
-FORK_REQUESTS = 20
+def probe_main(argv: list[str]) -> int:
+    """``python -m bicodec_shm.tools.soak probe NAME POOL TIMEOUT``: a fresh client in a process of
+    its own decodes a few pool requests; exit 0 if every answer is the request's own, 1 if one
+    is wrong, 2 if a call failed (printed)."""
+    from ..client.decoder_client import DecoderClient
+
+    name, pool_path, timeout = argv
+    with np.load(pool_path) as z:
+        pool = {key: z[key] for key in z.files}
+    try:
+        with DecoderClient(name, timeout=float(timeout), connect_timeout=float(timeout)) as client:
+            for i in range(3):
+                pcm = client.decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype="float32")
+                if pcm.shape != pool[f"ref_{i}"].shape or float(np.abs(pcm - pool[f"ref_{i}"]).max()) > 1e-4:
+                    print(f"request {i}: wrong audio", flush=True)
+                    return 1
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+        return 2
+    return 0
 
 
 # -- the orchestrator --------------------------------------------------------------------
@@ -276,8 +705,8 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     def spawn(k: int) -> None:
         log = os.path.join(work, f"client-{len(logs)}.log")
         cmd = [sys.executable, "-m", "bicodec_shm.tools.soak", "client", name, pool, log,
-               str(rng.randrange(2**31)), stop_file, forks_path, str(args.interrupt_share),
-               str(args.garbage_share), str(args.stop_grace)]  # fmt: skip
+               str(rng.randrange(2**31)), stop_file, forks_path,
+               json.dumps(_client_options(args))]  # fmt: skip
         clients[k] = (subprocess.Popen(cmd), log)
 
     def next_time(every: float, now: float) -> float:
@@ -360,16 +789,23 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                 if elapsed > bar.n:
                     bar.update(elapsed - bar.n)
         resume()
+        # With every client still running (a wedged handle keeps its slots while its process
+        # lives), a fresh client in another process must still get a slot and its own audio.
+        fresh = _fresh_client(name, pool, args.call_timeout)
         open(stop_file, "w").close()
         hung = 0
         for proc, _ in clients.values():
             try:
-                proc.wait(timeout=90)
+                # At worst: its threads' last calls, its children, and one more call.
+                proc.wait(timeout=2 * args.call_timeout + THREAD_EXIT + 30
+                          + _decoding_fork_exit(args.call_timeout))
             except subprocess.TimeoutExpired:
                 hung += 1
+                proc.send_signal(signal.SIGQUIT)  # its threads' stacks, into its log's .stacks
+                time.sleep(1.0)
                 proc.kill()
                 proc.wait()
-        fork_logs, hung_forks = _finish_forks(forks_path, timeout=90)
+        fork_logs, hung_forks = _finish_forks(forks_path, timeout=_decoding_fork_exit(args.call_timeout))
         logs += [(path, False) for path in fork_logs]
         if args.group:  # wait for a member killed last to be back
             deadline = time.monotonic() + 60
@@ -387,10 +823,16 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     left = sum(len(leftover_objects(n)) for n in {name, *members})
     for n in {name, *members}:
         unlink_all(n)
-    result = _tally(logs, args, kills, server_kills, term_restarts, forks, hung + hung_forks,
-                    leaked, left, time.monotonic() - t0)  # fmt: skip
+    result = _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, left,
+                    time.monotonic() - t0)  # fmt: skip
     result.client_closes, result.stops = closes, stops
-    shutil.rmtree(work, ignore_errors=True)
+    result.hung_forks += hung_forks
+    result.fresh_client_detail = fresh
+    result.fresh_client_failures = int(fresh != "ok")
+    if result.ok and not os.environ.get("BICODEC_SHM_SOAK_KEEP"):
+        shutil.rmtree(work, ignore_errors=True)
+    else:  # the clients' logs (and, with BICODEC_SHM_SOAK_DEBUG=1, every error's message)
+        result.work_dir = work
     return result
 
 
@@ -418,22 +860,45 @@ def _server_pid(server: subprocess.Popen, members: list[str], rng: random.Random
 
 
 def _finish_forks(forks_path: str, timeout: float) -> tuple[list[str], int]:
-    """Logs of the forked children, once they have exited (they are not our children: poll)."""
+    """Logs of the decoding forked children, once every forked child has exited (they are not
+    our children: poll); and how many did not exit within ``timeout`` (hung). Their parents
+    waited for the others: this finds those that outlived a killed parent."""
     try:
         with open(forks_path) as f:
-            entries = [line.split() for line in f.read().splitlines() if line.strip()]
+            entries = [line.split() for line in f.read().splitlines() if len(line.split()) == 3]
     except OSError:
         return [], 0
     deadline = time.monotonic() + timeout
     hung = 0
-    for pid, _ in entries:
-        while _alive(int(pid)):
+    for pid, started, _ in entries:
+        while _alive(int(pid)) and _start_time(int(pid)) == started:  # that child, not a reused pid
             if time.monotonic() >= deadline:
                 os.kill(int(pid), signal.SIGKILL)
                 hung += 1
                 break
             time.sleep(0.05)
-    return [path for _, path in entries], hung
+    return [path for _, _, path in entries if path != "-"], hung
+
+
+def _fresh_client(name: str, pool: str, timeout: float) -> str:
+    """"ok" if a fresh client in a process of its own decodes correctly, else what it said."""
+    cmd = [sys.executable, "-m", "bicodec_shm.tools.soak", "probe", name, pool, str(timeout)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+        return "hung"
+    if done.returncode == 0:
+        return "ok"
+    return (done.stdout + done.stderr).strip()[-500:] or f"exit {done.returncode}"
+
+
+def _client_options(args: argparse.Namespace) -> dict:
+    return {"interrupt_share": args.interrupt_share, "garbage_share": args.garbage_share,
+            "stop_grace": args.stop_grace, "inject_share": args.inject_share,
+            "cancel_share": args.cancel_share, "threads": args.threads,
+            "async_calls": args.async_calls, "churn": args.churn,
+            "bare_fork_every": args.bare_fork_every, "call_timeout": args.call_timeout,
+            "think_ms": args.think_ms}  # fmt: skip
 
 
 def _alive(pid: int) -> bool:
@@ -452,8 +917,11 @@ def _alive(pid: int) -> bool:
 
 def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, left,
            seconds) -> SoakResult:  # fmt: skip
-    sent = correct = failed = killed_in_flight = lost = wrong = 0
+    """Count the clients' log lines (``client_main`` names each tag)."""
+    sent = correct = failed = killed_in_flight = lost = wrong = timed_out = undocumented = 0
+    made_forks = hung_threads = hung_forks = unlocked = 0
     kinds: dict[str, int] = {}
+    strange: dict[str, int] = {}
     for path, was_killed in logs:
         try:
             with open(path) as f:
@@ -467,26 +935,46 @@ def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, 
                 sent += 1
                 pending += 1
                 continue
+            if tag == "F":
+                made_forks += 1
+                continue
+            if tag == "H":
+                hung_forks += line.startswith("H fork")
+                hung_threads += line.startswith("H thread")
+                continue
+            if tag == "X":
+                unlocked += 1
+                continue
+            if tag not in "OWETU" or not line:
+                continue  # a line cut short by a SIGKILL
             pending -= 1
             if tag == "O":
                 correct += 1
             elif tag == "W":
                 wrong += 1
+            elif tag == "T":
+                timed_out += 1
             elif tag == "E":
                 failed += 1
                 kind = line.split()[-1]
                 kinds[kind] = kinds.get(kind, 0) + 1
+            elif tag == "U":
+                undocumented += 1
+                kind = line.split()[-1]
+                strange[kind] = strange.get(kind, 0) + 1
         if was_killed:
-            killed_in_flight += pending
+            killed_in_flight += max(0, pending)
         else:
-            lost += pending
+            lost += max(0, pending)
     return SoakResult(
         seconds=round(seconds, 1), clients=args.clients, client_kills=kills,
         server_kills=server_kills, server_term_restarts=term_restarts, client_forks=forks,
         client_closes=0, stops=0,
         hung_clients=hung, sent=sent, correct=correct, failed_clearly=failed,
         killed_in_flight=killed_in_flight, lost=lost, wrong_audio=wrong, leaked_slots=leaked,
-        left_in_dev_shm=left, errors_by_kind=kinds,
+        left_in_dev_shm=left, errors_by_kind=kinds, forks=made_forks, timed_out=timed_out,
+        undocumented_errors=undocumented, undocumented_by_kind=strange, hung_threads=hung_threads,
+        hung_forks=hung_forks, unlocked_owned=unlocked,
     )  # fmt: skip
 
 
@@ -517,18 +1005,26 @@ def format_result(r: SoakResult) -> str:
         ("client kills (SIGKILL)", r.client_kills),
         ("server kills (SIGKILL)", r.server_kills),
         ("rolling restarts (SIGTERM)", r.server_term_restarts),
-        ("client forks", r.client_forks),
+        ("client forks (the child decodes)", r.client_forks),
+        ("forks in all (bare ones too)", r.forks),
         ("client closes (calls in flight)", r.client_closes),
         ("SIGSTOP/SIGCONT (client or server)", r.stops),
         ("hung clients", r.hung_clients),
+        ("hung threads", r.hung_threads),
+        ("hung forked children", r.hung_forks),
         ("requests sent", r.sent),
         ("completed correctly", r.correct),
         ("failed with a clear error", f"{r.failed_clearly} {r.errors_by_kind or ''}".strip()),
         ("killed in flight", r.killed_in_flight),
         ("lost (never answered)", r.lost),
+        ("timed out (lost or wedged)", r.timed_out),
+        ("undocumented errors", f"{r.undocumented_errors} {r.undocumented_by_kind or ''}".strip()),
         ("wrong audio", r.wrong_audio),
+        ("slots owned without their lock", r.unlocked_owned),
+        ("fresh client in another process", r.fresh_client_detail or "not run"),
         ("leaked slots", r.leaked_slots),
         ("objects left in /dev/shm", r.left_in_dev_shm),
+        *((("logs kept in", r.work_dir),) if r.work_dir else ()),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -546,6 +1042,11 @@ DEFAULT_CLOSE_EVERY = 5.0
 DEFAULT_STOP_EVERY = 8.0
 DEFAULT_INTERRUPT_SHARE = 0.03
 DEFAULT_GARBAGE_SHARE = 0.03
+DEFAULT_INJECT_SHARE = 0.1
+DEFAULT_CANCEL_SHARE = 0.05
+DEFAULT_BARE_FORK_EVERY = 0.05
+DEFAULT_CALL_TIMEOUT = 60.0
+DEFAULT_THINK_MS = 5.0
 HELP_FORMATTER = argparse.ArgumentDefaultsHelpFormatter  # every option's default in --help
 
 
@@ -569,6 +1070,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of synchronous calls interrupted by KeyboardInterrupt")
     p.add_argument("--garbage-share", type=float, default=DEFAULT_GARBAGE_SHARE,
                    help="share of requests with a garbage submit time")
+    p.add_argument("--inject-share", type=float, default=DEFAULT_INJECT_SHARE,
+                   help="share of calls, in every caller thread, that get an exception at a random "
+                        "bytecode of the package's code")  # fmt: skip
+    p.add_argument("--cancel-share", type=float, default=DEFAULT_CANCEL_SHARE,
+                   help="share of asyncio calls cancelled at a random moment")
+    p.add_argument("--threads", type=int, default=3,
+                   help="synchronous caller threads per client, sharing its handle")
+    p.add_argument("--async-calls", type=int, default=2,
+                   help="concurrent asyncio calls per client, on the same handle")
+    p.add_argument("--churn", type=int, default=1,
+                   help="threads per client that attach a handle of their own, decode once and close it")
+    p.add_argument("--bare-fork-every", type=float, default=DEFAULT_BARE_FORK_EVERY,
+                   help="mean seconds between each client's forks whose child exits at once (0: none)")
+    p.add_argument("--think-ms", type=float, default=DEFAULT_THINK_MS,
+                   help="mean pause between a caller thread's calls, in ms (0: none)")
+    p.add_argument("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT,
+                   help="the clients' timeout; a call that times out counts as lost")
     p.add_argument("--stop-grace", type=float, default=STOP_GRACE,
                    help="the clients' stop_grace: seconds to wait for a rolling restart's new server")
     p.add_argument("--group", action="store_true",
@@ -586,6 +1104,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "client":
         return client_main(argv[1:])
+    if argv and argv[0] == "probe":
+        return probe_main(argv[1:])
     p = argparse.ArgumentParser(prog="bicodec-shm soak", description=__doc__.splitlines()[0],
                                 formatter_class=HELP_FORMATTER)  # fmt: skip
     add_arguments(p)

@@ -225,7 +225,7 @@ class _Step:
         step.thread(t)
         if not step.out:
             return [move]
-        return [(label + "; " + more.split(" ", 1)[1], after, why) for more, after, why in step.out]
+        return [(label + "; " + more, after, why) for more, after, why in step.out]
 
     def handle(self, h: int) -> None:
         s, hd = self.s, self.s.handles[h]

@@ -549,9 +549,10 @@ class _Interrupt(BaseException):
 
 # Where a request's slot changes hands: the handle's steps, the client's call around them, the
 # segment's lock and semaphore calls. Not the waits (how many bytecodes a wait runs depends on
-# timing), nor the input's validation (nothing is taken yet).
-_STEPS = {"attachment.py": None, "transport.py": None, "client.py": {"_decode", "_submit"}}
-_NOT_STEPS = {"wait_result", "wait", "_wait_for_segment_slot"}
+# timing), nor the input's validation (nothing is taken yet), nor the callback that hands an
+# answer to its event loop (asyncio, not the caller, gets an exception raised there).
+_STEPS = {"attachment.py": None, "transport.py": None, "client.py": {"_decode", "_decode_async", "_submit"}}
+_NOT_STEPS = {"wait_result", "wait", "_wait_for_segment_slot", "apply"}
 
 
 def _is_step(code) -> bool:
@@ -607,7 +608,10 @@ def _run_interrupted_at(call, n: int | None):
     return count[0], where[0], outcome
 
 
-@pytest.mark.parametrize("path", ["warm", "claim"])
+# An exception between calling a coroutine function and awaiting what it returned leaves a
+# coroutine that never ran: Python warns when it is collected (nothing of ours is involved).
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+@pytest.mark.parametrize("path", ["warm", "claim", "asyncio"])
 def test_an_exception_at_any_bytecode_of_a_request_leaves_no_slot_locked_or_booked(thread_server, shm_name,
                                                                                    path):  # fmt: skip
     """A signal handler's exception (SIGALRM deadlines, Celery's soft time limits, Ctrl-C) may
@@ -616,9 +620,9 @@ def test_an_exception_at_any_bytecode_of_a_request_leaves_no_slot_locked_or_book
     owned by no request: the reaper can never free it, and with every slot so lost the handle,
     and then fresh clients in other processes, time out waiting for one. Here one request is
     interrupted at each point of its ownership steps where a handler could run, in turn, on
-    the warm-slot path and on the claim path (a fresh handle): right after each, the handle
-    holds no lock and books nothing; and at the end a client in another process decodes on the
-    server's one slot."""
+    the warm-slot path, on the claim path (a fresh handle), and in a coroutine (warm slot):
+    right after each, the handle holds no lock and books nothing; and at the end a client in
+    another process decodes on the server's one slot."""
     server = thread_server(slots=1, reap_interval=3600)  # only the test reaps, when it means to
     seg = server.segment
     req = ([5, 6, 7], GLB)
@@ -628,7 +632,11 @@ def test_an_exception_at_any_bytecode_of_a_request_leaves_no_slot_locked_or_book
         """Everything back to the segment (a request let go of is reaped once answered); then
         the state the path starts from: a warm slot of the handle's, or a fresh handle."""
         def reaped() -> bool:
-            server.reap()
+            # A reaper pass by the dispatcher itself (reaping from this thread could race the
+            # planning of a batch, which the server never does): due now, and a wake-up.
+            server._next_reap = 0.0
+            seg.ready.release()
+            time.sleep(0.005)
             return int(seg.slots["state"][0]) == SlotState.FREE
 
         wait_for(reaped, 10, "the slot to come back")
@@ -636,25 +644,32 @@ def test_an_exception_at_any_bytecode_of_a_request_leaves_no_slot_locked_or_book
             clients.pop().close()
             clients.append(DecoderClient(shm_name, slots=1, timeout=5))
         else:
-            clients[-1].decode(*req)  # leaves its slot warm
+            request(clients[-1])  # leaves its slot warm (and, in a coroutine, its bell claimed)
         return clients[-1]
+
+    def request(client: DecoderClient):
+        if path == "asyncio":
+            return asyncio.run(client.decode_async(*req))
+        return client.decode(*req)
 
     try:
         client = start_of_path()
-        total, _, _ = _run_interrupted_at(lambda: client.decode(*req), None)
+        total, _, _ = _run_interrupted_at(lambda: request(client), None)
         assert total > 50, total
         for n in range(1, total + 10):
             client = start_of_path()
-            _, where, outcome = _run_interrupted_at(lambda c=client: c.decode(*req), n)
+            points, where, outcome = _run_interrupted_at(lambda c=client: request(c), n)
             if where is None:
-                assert n > total - 5 and isinstance(outcome, np.ndarray), (n, total, outcome)
+                assert points < n and n > total - 5 and isinstance(outcome, np.ndarray), (n, points, total)
                 break  # past the request's last step
             assert isinstance(outcome, _Interrupt), f"at {where}: the exception was swallowed ({outcome!r})"
             att = client._att
             left = {"owned": set(att.owned), "using": dict(att.using), "claiming": att.claiming,
-                    "loose": set(getattr(att, "loose", ())),
+                    "loose": set(getattr(att, "loose", ())), "pending": dict(att.pending),
                     "locked": seg.slot_owned_elsewhere(0)}  # fmt: skip
-            assert left == {"owned": set(), "using": {}, "claiming": 0, "loose": set(), "locked": False}, (
+            nothing = {"owned": set(), "using": {}, "claiming": 0, "loose": set(), "pending": {},
+                       "locked": False}  # fmt: skip
+            assert left == nothing, (
                 f"an exception at {where} (point {n} of {total}) left {left}")
         else:
             pytest.fail(f"the request never ran to its end ({total} points)")

@@ -169,7 +169,7 @@ class DecoderClient:
         Args:
             semantic_ids: (T,) ints in [0, 8192): list, numpy array or tensor.
             global_ids: (32,) ints in [0, 4096).
-            dtype: "int16" (the seed's PCM conversion) or "float32" (the model's output).
+            dtype: "int16" (clipped, scaled by 32767, truncated) or "float32" (the model's output).
             timeout: seconds for this call (default: the handle's).
         Returns:
             (320·T,) int16 or float32 samples at 16 kHz.

@@ -223,7 +223,7 @@ class DecodeStream:
         preset: ``"default"``, ``"exact"`` or ``"peers"`` (see :data:`PRESETS`); the four
             keyword settings below override single fields of it.
         chunk_tokens, left_context, lookahead, crossfade: see :class:`StreamSettings`.
-        dtype: ``"int16"`` (the seed's conversion, little-endian) or ``"float32"`` (the model's
+        dtype: ``"int16"`` (clipped, scaled by 32767 and truncated, little-endian) or ``"float32"`` (the model's
             output, little-endian) for the bytes returned.
         max_window: the most tokens one decode may carry (the server's ``--max-tokens``; None:
             its default for the codec, 1500 tokens for BiCodec, 30 s for SNAC); a large push is
@@ -614,6 +614,6 @@ def _fade_in(n: int) -> np.ndarray:
 def _to_bytes(audio: np.ndarray, *, as_float: bool) -> bytes:
     if as_float:
         return np.ascontiguousarray(audio, dtype="<f4").tobytes()
-    # The seed's exact conversion: clip, scale by 32767 in float32, truncate toward zero.
+    # The server's int16 conversion exactly: clip, scale by 32767 in float32, truncate toward zero.
     scaled = np.clip(audio.astype(np.float32), -1.0, 1.0) * np.float32(32767)
     return scaled.astype("<i2").tobytes()

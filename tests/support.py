@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -36,6 +38,19 @@ def single_decode(semantic: np.ndarray, global_ids: np.ndarray) -> np.ndarray:
         torch.as_tensor(np.asarray(global_ids, np.int64))[None],
     )
     return out[0].numpy()
+
+
+JIT_DEPRECATED = "`torch.jit.script` is deprecated"
+
+
+@contextlib.contextmanager
+def without_jit_deprecation() -> Iterator[None]:
+    """Silence torch.jit.script's deprecation, which the reference packages trigger on import
+    (snac 1.2.1 and descript-audio-codec 1.0.0 script their Snake): a DeprecationWarning on torch
+    2.10-2.13, a FutureWarning from 2.14 on, so it goes by the message (warnings are errors)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", JIT_DEPRECATED)
+        yield
 
 
 def seed_int16(audio: np.ndarray) -> np.ndarray:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from support import without_jit_deprecation
 
 from bicodec_shm.codecs import SNAC_24KHZ
 from bicodec_shm.model.snac import SNACDecoder
@@ -73,8 +73,7 @@ def test_the_bench_decodes_without_a_server_as_the_server_does():
 
 def test_bench_snac_model_quick(tmp_path, capsys):
     out = tmp_path / "model.json"
-    with warnings.catch_warnings():  # snac's torch.jit.script, imported for the vs-snac check
-        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+    with without_jit_deprecation():  # snac's torch.jit.script, imported for the vs-snac check
         assert bench_snac_model.main(["--variant", "tiny-32khz", "--quick", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(r["frames"], r["batch"]) for r in result["results"]] == [(4, 1), (4, 2)]

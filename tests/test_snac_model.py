@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from support import JIT_DEPRECATED, without_jit_deprecation
 
 from bicodec_shm.errors import CheckpointError
 from bicodec_shm.model import weights as shared
@@ -25,19 +25,8 @@ from bicodec_shm.model.snac.noise import NOISE_CHUNK, batch_noise, row_noise
 
 # The reference implementation, in the test extra: a missing one fails loudly. snac 1.2.1 wraps
 # its Snake in torch.jit.script, which warns since torch 2.10 (and warnings are errors here): a
-# DeprecationWarning up to torch 2.13, a FutureWarning from 2.14 on. Silenced by its message,
-# whatever its category.
-JIT_DEPRECATED = "`torch.jit.script` is deprecated"
-
-
-@contextmanager
-def _without_jit_deprecation() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", JIT_DEPRECATED)
-        yield
-
-
-with _without_jit_deprecation():
+# DeprecationWarning up to torch 2.13, a FutureWarning from 2.14 on (support.py).
+with without_jit_deprecation():
     import snac
 
 
@@ -45,7 +34,7 @@ with _without_jit_deprecation():
 def test_snac_s_jit_deprecation_is_silenced_whichever_category_torch_gives_it(category):
     """torch 2.10-2.13 warn with DeprecationWarning, 2.14 with FutureWarning: a filter of one
     category interrupts collecting this file on the other (warnings are errors here)."""
-    with _without_jit_deprecation():
+    with without_jit_deprecation():
         warnings.warn(f"{JIT_DEPRECATED}. Please switch to `torch.compile` or `torch.export`.", category,
                       stacklevel=1)  # fmt: skip
 

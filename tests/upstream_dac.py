@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from support import without_jit_deprecation
+
 _LOADED: dict[str, Any] = {}
 
 
@@ -64,9 +66,7 @@ def upstream() -> types.SimpleNamespace:
         dac = _package("dac", dac_root)
         dac.nn = _package("dac.nn", dac_root / "nn")
         dac.model = _package("dac.model", dac_root / "model")
-        with warnings.catch_warnings():
-            # dac wraps its Snake in torch.jit.script, which warns since torch 2.10.
-            warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+        with without_jit_deprecation():  # dac wraps its Snake in torch.jit.script
             model = importlib.import_module("dac.model.dac")
         _LOADED.update(DAC=model.DAC, BaseModel=base.BaseModel, version=_version())
     return types.SimpleNamespace(**_LOADED)

@@ -27,7 +27,6 @@ restart loses nothing), unlinks everything and releases the name.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import signal
@@ -43,10 +42,6 @@ import torch
 from ..errors import BiCodecShmError, ServerUnavailableError
 from ..model.devices import exact_cuda_math
 from ..protocol.layout import (
-    C_FAILED,
-    C_HOST_GAP,
-    C_RECLAIMED,
-    C_REQUESTS,
     CLAIMED,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODE,
@@ -54,12 +49,8 @@ from ..protocol.layout import (
     DEFAULT_START_WAIT,
     DONE,
     FREE,
-    HIST_BINS,
-    N_STATUS,
-    N_TIME_BINS,
     NO_BELL,
     READY,
-    TIME_BUCKETS,
     Phase,
     Status,
 )
@@ -75,6 +66,7 @@ from .batching import (
     default_max_batch_tokens,
     plan_batch,
 )
+from .counters import Counters
 from .lane_tuner import BatchMeter, LaneTuner, LaneTuning
 from .lanes import STOP, Decoded, Lane, Runner, lane_threads
 from .signals import on_stop_signals
@@ -88,8 +80,6 @@ DEFAULT_REAP_INTERVAL = 0.25  # seconds; a dead client's slots come back within 
 CPU_LANE_CANDIDATES = (1, 2, 4)
 DEFAULT_CPU_LANES = 2
 _COMING_BACK = frozenset((CLAIMED, DONE))  # an answered slot whose client may send again
-_BUCKETS = [int(b * 1e9) for b in TIME_BUCKETS]  # upper bounds, ns; bisect_left: "le" bins
-_BUCKETS_NS = np.array(_BUCKETS, np.int64)
 
 
 class Detokenizer(Protocol):
@@ -215,7 +205,7 @@ class DecoderServer:
         self._teardown_lock = threading.Lock()
         self._held: set[int] = set()  # slots in planned or running batches
         self._held_lock = threading.Lock()
-        self._counters_lock = threading.Lock()
+        self._counters = Counters()
         # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
         # order goes by this, not by a time the client wrote.
         self._confirmed: dict[int, int] = {}
@@ -558,38 +548,7 @@ class DecoderServer:
             self._release_and_ring(answered, req.notify.tolist())
 
     def _count_batch(self, batch: Batch, done_ns: int, elapsed_ns: int) -> None:
-        """Add one published batch to the live counters and histograms. Every time here is a
-        server-side int64: submit times were clamped to when the server saw them (slot_io)."""
-        seg = self.segment
-        req = batch.requests
-        rows, longest = len(req), int(batch.semantic.shape[1])
-        elapsed_ns = max(0, int(elapsed_ns))
-        if rows == 1:  # Python scalars: the common case at low load
-            submitted = int(req.submitted_ns[0])
-            queued, latency = max(0, batch.started_ns - submitted), max(0, done_ns - submitted)
-            tokens, queued_sum, latency_sum = int(req.lengths[0]), queued, latency
-            bins = [bisect.bisect_left(_BUCKETS, queued), N_TIME_BINS + bisect.bisect_left(_BUCKETS, latency)]
-        else:
-            submitted_ns = req.submitted_ns
-            queued_ns = (batch.started_ns - submitted_ns).clip(0)
-            latency_ns = (done_ns - submitted_ns).clip(0)
-            tokens = int(req.lengths.sum())
-            queued_sum, latency_sum = int(queued_ns.sum()), int(latency_ns.sum())
-            bins = np.concatenate((np.searchsorted(_BUCKETS_NS, queued_ns),
-                                   np.searchsorted(_BUCKETS_NS, latency_ns) + N_TIME_BINS)).tolist()
-        bins.append(2 * N_TIME_BINS + bisect.bisect_left(_BUCKETS, elapsed_ns))
-        # Every counter of the batch in one add (C_* order).
-        delta = np.array([rows, 1, 0, 0, tokens, rows * longest, queued_sum, elapsed_ns, latency_sum,
-                          0, elapsed_ns], np.uint64)  # fmt: skip
-        with self._counters_lock:
-            seg.counters += delta
-            h = seg.histograms
-            if rows == 1:
-                for i in bins:
-                    h[i] += 1
-            else:
-                h += np.bincount(bins, minlength=3 * N_TIME_BINS).astype(np.uint64)
-            seg.header["batch_hist"][min(rows, HIST_BINS - 1)] += 1
+        self._counters.count_batch(self.segment, batch, done_ns, elapsed_ns)
 
     def _release_and_ring(self, slots: list[int], bells: list[int]) -> None:
         """The last step of answering: the slots leave the held set, then their posts go out.
@@ -621,10 +580,7 @@ class DecoderServer:
         bell = NO_BELL
         try:
             bell = publish_failure(seg, slot, status, message, ids=ids, notify=notify)
-            with self._counters_lock:
-                seg.counters[C_REQUESTS] += 1
-                seg.counters[C_FAILED] += 1
-                seg.header["failed_by_status"][min(int(status), N_STATUS - 1)] += 1
+            self._counters.count_failure(seg, status)
         finally:
             self._release_and_ring([slot], [bell])
 
@@ -633,10 +589,7 @@ class DecoderServer:
         # The lane sat idle while this batch's first request was already waiting: time the
         # device waited for the host (gathering, planning, publishing, Python).
         waited_since = max(self._lane_idle_since[lane], int(batch.requests.submitted_ns.min()))
-        with self._counters_lock:
-            seg = self.segment
-            seg.counters[C_HOST_GAP] += max(0, now - waited_since)
-            seg.header["busy_lanes"] += 1
+        self._counters.lane_started(self.segment, now - waited_since)
         if self._tuner is not None:
             self._meter.begin(id(batch))
 
@@ -646,8 +599,7 @@ class DecoderServer:
         self._lane_idle_since[lane] = time.monotonic_ns()
         with self._held_lock:  # normally done already, when each row was answered
             self._held.difference_update(batch.slots.tolist())
-        with self._counters_lock:
-            self.segment.header["busy_lanes"] -= 1
+        self._counters.lane_finished(self.segment)
 
     def _measure(self, batch: Batch) -> None:
         """Give the tuner a finished batch (in its lane's thread) and apply its choice."""
@@ -709,8 +661,7 @@ class DecoderServer:
                     seg.free_slot(slot)
                 reclaimed += 1
         if reclaimed:
-            with self._counters_lock:
-                seg.counters[C_RECLAIMED] += reclaimed
+            self._counters.count_reclaimed(seg, reclaimed)
             # Not only the dead: an idle client leaves one warm slot unlocked (attachment.py),
             # and a request that timed out lets go of its slot; both come back here.
             log.info("reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)",

@@ -72,6 +72,7 @@ import argparse
 import ast
 import datetime
 import inspect
+import itertools
 import json
 import os
 import signal
@@ -84,6 +85,7 @@ from typing import Any
 
 from ...codecs.layout import LAYOUTS, get_layout
 from ...protocol.names import leftover_objects, unlink_all
+from ...server.batch_costs import BATCHING_MODES
 from ...server.batching import (
     DEFAULT_CUDA_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH,
@@ -91,6 +93,7 @@ from ...server.batching import (
     DEFAULT_MAX_WAIT_MS,
     default_max_batch_tokens,
 )
+from ...server.dispatch_policy import DISPATCH_MODES
 from ..model_args import SNAC_PRESETS, resolve_preset
 from .config import (
     DEFAULT_NS,
@@ -237,6 +240,14 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                         "'bicodec-shm (lanes=K)'); 'auto' is the default, measured on the live "
                         "traffic (row 'bicodec-shm (lanes=auto)'); without it, lanes= is not "
                         "passed")  # fmt: skip
+    p.add_argument("--dispatch", type=_policy_names(DISPATCH_MODES), default=None, metavar="MODE,...",
+                   help="run bicodec-shm once per value with DecoderServer(dispatch=MODE), of "
+                        f"{', '.join(DISPATCH_MODES)} (rows 'bicodec-shm (dispatch=MODE)'; with "
+                        "--lanes, every pair); without it, dispatch= is not passed (auto)")  # fmt: skip
+    p.add_argument("--batching", type=_policy_names(BATCHING_MODES), default=None, metavar="MODE,...",
+                   help="likewise for DecoderServer(batching=MODE), of "
+                        f"{', '.join(BATCHING_MODES)} (auto: measured; static: every row that "
+                        "fits)")  # fmt: skip
     p.add_argument("--sweep", action="store_true",
                    help="bicodec-shm alone over a grid of --sweep-wait x --sweep-tokens")
     p.add_argument("--sweep-wait", type=_floats, default=SWEEP_WAITS, metavar="MS,MS,...",
@@ -299,20 +310,47 @@ def _lane_counts(text: str) -> tuple[int | None, ...]:
     return tuple(out)
 
 
-def shm_variants(server_args: Sequence[tuple[str, Any]],
-                 lanes: Sequence[int | None] | None) -> tuple[ShmVariant, ...]:  # fmt: skip
-    """The bicodec-shm configurations to run: one per ``--lanes`` value, or just one."""
+def _policy_names(allowed: Sequence[str]):
+    """``--dispatch`` / ``--batching``: "a,b" -> ("a", "b"), each one of ``allowed``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        bad = [n for n in names if n not in allowed]
+        if bad or not names or len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(
+                f"expected distinct values of {', '.join(allowed)}, got {text!r}")  # fmt: skip
+        return names
+
+    return parse
+
+
+def shm_variants(server_args: Sequence[tuple[str, Any]], lanes: Sequence[int | None] | None,
+                 dispatch: Sequence[str] | None = None,
+                 batching: Sequence[str] | None = None) -> tuple[ShmVariant, ...]:  # fmt: skip
+    """The bicodec-shm configurations to run: one per combination of the ``--lanes``,
+    ``--dispatch`` and ``--batching`` values given, or just one."""
     options = dict(server_args)
-    if lanes is None:
+    axes: list[list[tuple[str, str, Any]]] = []  # per axis: (label part, keyword, value or None)
+    if lanes is not None:
+        if "lanes" in options:
+            raise ValueError("give lanes either as --lanes or as --server-arg lanes=K, not both")
+        fixed = [k for k in lanes if k is not None]
+        if not lanes or (fixed and min(fixed) < 1) or len(set(lanes)) != len(lanes):
+            raise ValueError(f"--lanes needs distinct values >= 1 or auto, got "
+                             f"{','.join('auto' if k is None else str(k) for k in lanes)}")  # fmt: skip
+        axes.append([(f"lanes={'auto' if k is None else k}", "lanes", k) for k in lanes])
+    for key, values in (("dispatch", dispatch), ("batching", batching)):
+        if values is not None:
+            if key in options:
+                raise ValueError(f"give {key} either as --{key} or as --server-arg {key}=..., not both")
+            axes.append([(f"{key}={v}", key, v) for v in values])
+    if not axes:
         return (ShmVariant(SHM, options),)
-    if "lanes" in options:
-        raise ValueError("give lanes either as --lanes or as --server-arg lanes=K, not both")
-    fixed = [k for k in lanes if k is not None]
-    if not lanes or (fixed and min(fixed) < 1) or len(set(lanes)) != len(lanes):
-        raise ValueError(f"--lanes needs distinct values >= 1 or auto, got "
-                         f"{','.join('auto' if k is None else str(k) for k in lanes)}")  # fmt: skip
-    return tuple(ShmVariant(f"{SHM} (lanes={'auto' if k is None else k})",
-                            options if k is None else {**options, "lanes": k}) for k in lanes)  # fmt: skip
+    out = []
+    for combo in itertools.product(*axes):
+        extra = {key: value for _, key, value in combo if value is not None}
+        out.append(ShmVariant(f"{SHM} ({', '.join(part for part, _, _ in combo)})", {**options, **extra}))
+    return tuple(out)
 
 
 class Plan:
@@ -358,7 +396,8 @@ class Plan:
         systems = [SYSTEM_KEYS[k] for k in keys]
         if LIMIT in systems and SHM not in systems:
             raise ValueError("--systems: limit replays the batches of shm; include shm")
-        variants = shm_variants(args.server_arg, args.lanes)
+        variants = shm_variants(args.server_arg, args.lanes, getattr(args, "dispatch", None),
+                                getattr(args, "batching", None))
         check_server_options({k: v for variant in variants for k, v in variant.server_options.items()})
         if args.per_process_max_n is not None and args.per_process_max_n < 1:
             raise ValueError(f"--per-process-max-n must be >= 1, got {args.per_process_max_n}")

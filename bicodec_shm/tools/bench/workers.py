@@ -163,15 +163,17 @@ class _RecordingAdapter:
 
 
 def _show_lane_choices() -> None:
-    """Print the server's lane-count choices (lane_tuner.py) on stderr, with their numbers."""
+    """Print the server's measured choices on stderr, with their numbers: lane counts
+    (lane_tuner.py), batching (batch_costs.py) and dispatch (dispatch_policy.py)."""
     import logging
     import sys
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("\n  server: %(message)s"))
-    tuner_log = logging.getLogger("bicodec_shm.server.lanes")
-    tuner_log.addHandler(handler)
-    tuner_log.setLevel(logging.INFO)
+    for name in ("lanes", "batching", "dispatch"):
+        choices_log = logging.getLogger(f"bicodec_shm.server.{name}")
+        choices_log.addHandler(handler)
+        choices_log.setLevel(logging.INFO)
 
 
 def read_batches(path: str, t0: float, t_end: float) -> list[list[int]]:

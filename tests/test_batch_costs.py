@@ -265,3 +265,13 @@ def test_a_server_whose_batches_pay_batches_every_row_that_fits(thread_server, s
     assert np.mean(settled) > 4  # six clients, most of them in every batch
     assert server.batching_choices[-1].mode == "on"
 
+
+
+def test_two_lanes_split_what_waits_and_decode_side_by_side_where_batching_pays(thread_server, shm_name):
+    """Batching pays (a 15 ms fixed cost): still, each free lane takes its share of the ready
+    requests, rather than one lane all of them while the other idles."""
+    decoder = PlantedBatchDecoder(SLEEP_DEVICE)
+    thread_server(decoder, lanes=2, min_fill=0.0)
+    settled = _run(None, decoder, shm_name, 60, 10, 30, clients=4)
+    assert decoder.most_at_once == 2
+    assert 1.5 <= np.mean(settled) <= 2.5  # 4 clients, two lanes: about 2 rows each

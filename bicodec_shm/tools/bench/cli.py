@@ -150,19 +150,22 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _stand_in_costs(text: str) -> tuple[float, float, bool]:
-    """``--stand-in``: a preset name (standin.py) or ``A_MS,B_MS`` (synchronous) -> (a, b, async)."""
+    """``--stand-in``: a preset name (standin.py) or ``A_MS,B_MS[,async]`` (synchronous unless
+    ``async``: an asynchronous device, as the modern preset) -> (a, b, async)."""
     preset = STAND_IN_PRESETS.get(text.strip())
     if preset is not None:
         return preset.a_ms, preset.b_ms, preset.asynchronous
+    parts = [p.strip() for p in text.split(",")]
+    asynchronous = len(parts) == 3 and parts[2] == "async"
     try:
-        costs = _floats(text)
+        costs = _floats(",".join(parts[:2] if asynchronous else parts))
     except argparse.ArgumentTypeError:
         costs = []
     if len(costs) != 2 or min(costs) < 0:
         raise argparse.ArgumentTypeError(
-            f"expected a preset ({', '.join(STAND_IN_PRESETS)}) or A_MS,B_MS, two numbers >= 0, "
-            f"got {text!r}")  # fmt: skip
-    return costs[0], costs[1], False
+            f"expected a preset ({', '.join(STAND_IN_PRESETS)}) or A_MS,B_MS[,async], two numbers "
+            f">= 0, got {text!r}")  # fmt: skip
+    return costs[0], costs[1], asynchronous
 
 
 def parse_server_arg(text: str) -> tuple[str, Any]:
@@ -193,11 +196,13 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                    help="architecture with random weights, or the device-shaped stand-in (BiCodec "
                         "only); default the codec's full size (spark-tts-0.5b, snac-24khz, ...), "
                         "--quick its tiny one")  # fmt: skip
-    p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="PRESET|A_MS,B_MS",
+    p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="PRESET|A_MS,B_MS[,async]",
                    help="the stand-in: a preset, " + "; ".join(
                        f"{k}: {v.a_ms:.4g} + {v.b_ms:.4g} x rows x longest ms, {v.about}"
                        for k, v in STAND_IN_PRESETS.items())
-                   + "; or A,B for those costs, synchronous; implies --model stand-in (default seed)")  # fmt: skip
+                   + "; or A,B for those costs, synchronous, or A,B,async, an asynchronous device "
+                     "(benchmarks/fit_batch_costs.py prints a device's); implies --model stand-in "
+                     "(default seed)")  # fmt: skip
     p.add_argument("--n", type=_ints, default=None, metavar="N,N,...",
                    help=f"client processes (default 1,2,4,8,16; with --sweep {SWEEP_N})")  # fmt: skip
     p.add_argument("--window", type=float, default=None, metavar="SECONDS",

@@ -6,7 +6,7 @@ streaming setting is fed the tokens one at a time (as a language model emits the
 float output is compared with the full single, unpadded decode of the same sequence:
 
 - SNR (dB) and max |Δ|, over all samples and within ±20 ms of each joint (where one decode's
-  region meets the next), plus the largest int16 difference in LSB after the seed's conversion;
+  region meets the next), plus the largest int16 difference in LSB after the int16 conversion;
 - latency to the first audio: the tokens that must arrive before the first non-empty ``push``,
   and the measured wall time of that push (its decode);
 - the added delay (``lookahead``) and the work (tokens decoded per token streamed).

@@ -10,8 +10,12 @@
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #          --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #          --platform manylinux1_x86_64 -d .whl posix_ipc==1.3.2
-#      (posix_ipc is the only package the image lacks that a check needs; starlette/uvicorn are
-#      only for examples/, whose tests are not gpu-marked.)
+#        python3 -m pip download --no-deps -d .whl descript-audio-codec==1.0.0 \
+#          descript-audiotools==0.7.2 einops
+#      (posix_ipc is the only package the image lacks that the server needs; the three pure-Python
+#      wheels are the reference the DAC gpu tests compare with, installed without their
+#      dependencies as in CI; starlette/uvicorn are only for examples/, whose tests are not
+#      gpu-marked.)
 #   2. The device tool's `run`, from the checkout whose tree travels:
 #        command:   bash benchmarks/device_check.sh
 #        carry:     [".whl"]
@@ -48,6 +52,9 @@
 #                decoder's run in the summary -> bench_standin.json (needs no GPU, only fit_costs)
 #   bench_snac   benchmarks/bench_snac_model.py --variant snac-24khz on cuda:0 (Orpheus's codec):
 #                cost per frame at B 1 and 16, batched vs lone, FLOPs -> bench_snac.json
+#   bench_dac    python -m bicodec_shm bench --codec dac-44khz --device cuda:0 (Dia's and
+#                Parler-TTS's codec, full size): N = 4, 16 against a decoder per process
+#                -> bench_dac.json
 #   summary.txt  each step's exit code and seconds, then the numbers the targets ask for, the
 #                fitted costs, and the real decoder's throughput next to the fitted stand-in's
 #
@@ -75,7 +82,7 @@ SITE="${SITE:-/tmp/site}"
 DTYPES="${DTYPES:-float32 bfloat16 float16}"
 DEADLINE_S="${DEADLINE_S:-420}"
 ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 fit_costs bench_throughput bench_standin"
-ALL_STEPS+=" bench_snac bench_model_float16"
+ALL_STEPS+=" bench_snac bench_dac bench_model_float16"
 CPU_STEPS="fit_costs bench_standin"  # they need no GPU
 STEPS_GIVEN="${STEPS:-}"
 STEPS="${STEPS:-$ALL_STEPS}"
@@ -246,7 +253,7 @@ EOF
 # --- the GPU-marked tests, wherever they are in tests/ ------------------------------------------
 # --continue-on-collection-errors: a test module that needs what the image lacks (starlette for
 # the HTTP example) must not stop the gpu tests of every other module.
-run_step gpu_tests 110 "$PY" -m pytest -m gpu tests -v -rA -p no:cacheprovider --timeout 100 \
+run_step gpu_tests 130 "$PY" -m pytest -m gpu tests -v -rA -p no:cacheprovider --timeout 100 \
     --continue-on-collection-errors -o junit_family=xunit1 --junitxml="$SCRATCH/gpu_tests.xml"
 
 # --- the decoder: grid x dtypes x graphs; then the whole server -----------------------------
@@ -281,6 +288,11 @@ fi
 # SNAC 24 kHz (Orpheus): short, one shape pair; the batched rows against their lone decodes too.
 run_step bench_snac 40 "$PY" benchmarks/bench_snac_model.py --variant snac-24khz --device cuda:0 \
     --lengths 12,47 --batch-sizes 1,16 --repeats 3 --json "$SCRATCH/bench_snac.json"
+# DAC 44.1 kHz (Dia, Parler-TTS) through the same engine: the shared server, its no-IPC limit and
+# a decoder per process at N = 4 and 16, one 5 s window each.
+run_step bench_dac 75 "$PY" -m bicodec_shm bench --codec dac-44khz --device cuda:0 --n 4,16 --window 5 \
+    --repeats 1 --timeout 60 --per-process-max-n 16 --memory-gib 120 --systems shm,limit,per-process \
+    --no-plot --no-progress --json "$SCRATCH/bench_dac.json"
 case " $DTYPES " in *" float16 "*) [ "$first" = float16 ] || bench_model float16 45 ;; esac
 
 # --- summary ------------------------------------------------------------------------------------
@@ -361,6 +373,15 @@ try:
             print(f"  N={n:<3} {system:<48} {rps:>9.1f} req/s  avg batch {batch or 0:.2f}")
 except (OSError, ValueError, KeyError) as exc:
     print(f"\nno bench_standin.json: {exc}")
+try:
+    dac = json.load(open(os.path.join(out, "bench_dac.json")))
+    print("\n== bench_dac (dac-44khz, full size): see bench_dac.log for the table ==")
+    for r in dac.get("results", []):
+        p50 = r.get("latency_p50_ms")
+        print(f"  N={r['n_clients']} {r['system']}: {r['audio_s_per_s']:.1f} audio s/s, "
+              f"p50 {'-' if p50 is None else f'{p50:.0f} ms'}, peak RSS {r['peak_rss_mib']:.0f} MiB")
+except (OSError, ValueError, KeyError) as exc:
+    print(f"\nno bench_dac.json: {exc}")
 EOF
 say "done in $((SECONDS - START))s; summary.txt and device_check.tar.gz in $OUT_DIR"
 finish 0

@@ -259,6 +259,22 @@ MUTANTS: tuple[Mutant, ...] = (
       "if running is not None and self._wants_wait(ready, running.lengths.tolist(), key):",
       "if False:",
       "tests/test_dispatch_policy.py", "-k", "large_fixed_cost_waits_and"),
+    # -- DAC -------------------------------------------------------------------------------------
+    m("dac-stage-length-times-stride", "DAC's masks take frames x upsampling as each stage's length "
+      "(a stride-5 block gives 5L - 1 steps)", "bicodec_shm/model/dac/config.py",
+      "lengths.append((lengths[-1] + 1) * s - 2 * math.ceil(s / 2))",
+      "lengths.append(lengths[-1] * s)",
+      "tests/test_dac_model.py", "-k", "tiny_batched or tiny_matches"),
+    m("dac-mask-keeps-one-padded-step", "DAC's stage mask lets each row's first padded step through",
+      "bicodec_shm/model/dac/layers.py",
+      "valid = steps[None, :] < lens[:, None]  # (B, n - low)",
+      "valid = steps[None, :] <= lens[:, None]  # (B, n - low)",
+      "tests/test_dac_model.py", "-k", "tiny_batched"),
+    m("dia-delay-off-by-one", "Dia's codebook c read one row late",
+      "bicodec_shm/codecs/dia.py",
+      "index = np.arange(frames)[None, :] + np.asarray(delays)[:, None]",
+      "index = np.arange(frames)[None, :] + np.asarray(delays)[:, None] + (np.asarray(delays)[:, None] > 0)",
+      "tests/test_dac_serving.py", "-k", "dia_rows"),
 )
 
 

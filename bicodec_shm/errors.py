@@ -17,7 +17,7 @@
         └── MissingExtraError           an optional feature's extra is not installed (also an ImportError)
 
 Bad input is always a plain ``ValueError`` (or a subclass), so callers that already catch
-``ValueError`` around the seed keep working.
+``ValueError`` around an in-process decoder keep working.
 """
 
 from __future__ import annotations

@@ -86,8 +86,9 @@ def _ready(lengths):
 
 
 def _planner(model: CostFit | None, **kw) -> BatchPlanner:
-    planner = BatchPlanner(max_batch=kw.pop("max_batch", 16), max_batch_tokens=kw.pop("max_batch_tokens", None),
-                           min_fill=0.5, measured=kw.pop("measured", True), prior_batches=False)  # fmt: skip
+    planner = BatchPlanner(max_batch=kw.pop("max_batch", 16),
+                           max_batch_tokens=kw.pop("max_batch_tokens", None), min_fill=0.5,
+                           measured=kw.pop("measured", True), prior_batches=False)  # fmt: skip
     if model is not None:
         planner.costs = _fed(model)
     return planner

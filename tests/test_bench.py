@@ -88,6 +88,15 @@ def test_quick_run_covers_every_system_and_leaves_nothing(tmp_path, capsys):
         assert ratios[config.SHM]["vs_ideal"] is None  # the ideal batcher is the stand-in's
     summary = {(s["n_clients"], s["system"]): s for s in report["summary"]}
     assert set(summary) == {(n, s) for n in (1, 2) for s in config.SYSTEMS}
+    # The lane tuner measures lane counts from the server's start: its exploration needs two
+    # measuring windows of 2 s or more, so it fills the 2 s window, and the row says so.
+    if cfg["cores"] >= 2:
+        for n in (1, 2):
+            shm_run = next(r for r in report["results"] if (r["n_clients"], r["system"]) == (n, config.SHM))
+            assert shm_run["tuner_exploring_s"] > 0.5 * config.QUICK_WINDOW_S and shm_run["lanes"], shm_run
+            assert "tuner" in summary[(n, config.SHM)]["noise"]["flags"]
+    assert "estimated time: about" in stdout and "first run: N=1 bicodec-shm:" in stdout
+    assert report["calibration"]["model_s"] > 0 and report["estimated_s"] > 0
     for key in ("audio_s_per_s", "requests_per_s", "latency_p50_ms", "latency_p99_ms", "cpu_per_audio_s"):
         s = summary[(2, config.SHM)][key]
         assert set(s) == {"median", "min", "max", "n", "values"} and s["min"] <= s["median"] <= s["max"]

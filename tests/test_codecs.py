@@ -121,12 +121,32 @@ def test_orpheus_custom_token_numbers():
     assert all(np.array_equal(x, y) for x, y in zip(back, levels))
 
 
+def test_orpheus_special_tokens_are_skipped_as_orpheus_skips_them():
+    """Orpheus's language model ends its speech with <custom_token_2> (and starts it with other
+    special tokens below 10): they are not audio, wherever they are."""
+    levels = snac_codes(3, seed=4)
+    audio = [f"<custom_token_{n}>" for n in codes_to_orpheus(levels, base=CUSTOM_TOKEN_OFFSET)]
+    text = "<custom_token_1>" + "".join(audio[:9]) + "<custom_token_5>" + "".join(audio[9:])
+    text += "<custom_token_2>"  # the end of speech
+    back = orpheus_to_codes(custom_token_numbers(text), base=CUSTOM_TOKEN_OFFSET)
+    assert all(np.array_equal(x, y) for x, y in zip(back, levels))
+    ids = codes_to_orpheus(levels)
+    back = orpheus_to_codes([AUDIO_TOKEN_BASE - 9, *ids, AUDIO_TOKEN_BASE - 8])  # as language-model ids
+    assert all(np.array_equal(x, y) for x, y in zip(back, levels))
+    bad = [1, *custom_token_numbers("".join(audio)), 2]
+    bad[5] = 10 + 6 * 4096  # audio token 4 carries position 6's offset; it is item 5 of what was passed
+    with pytest.raises(ValueError, match=r"^token 5 \(frame 0, position 4, level 1\)"):
+        orpheus_to_codes(bad, base=CUSTOM_TOKEN_OFFSET)
+    with pytest.raises(ValueError, match=r"no audio token \(after skipping 2 special token\(s\)\)"):
+        orpheus_to_codes([1, 2], base=CUSTOM_TOKEN_OFFSET)
+
+
 def test_orpheus_rejects_a_partial_frame():
     ids = codes_to_orpheus(snac_codes(3))
     with pytest.raises(ValueError, match=r"20 Orpheus audio tokens, not a multiple of 7: 2 whole frame\(s\) "
                                          r"and 6 token\(s\) left over \(tokens 14..19\)"):  # fmt: skip
         orpheus_to_codes(ids[:-1])
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="holds no audio token"):
         orpheus_to_codes([])
 
 
@@ -139,7 +159,7 @@ def test_orpheus_rejects_a_token_with_another_positions_offset():
         orpheus_to_codes(ids)
 
 
-@pytest.mark.parametrize("value", [AUDIO_TOKEN_BASE - 1, AUDIO_TOKEN_BASE + 7 * 4096, 5])
+@pytest.mark.parametrize("value", [AUDIO_TOKEN_BASE - 11, AUDIO_TOKEN_BASE + 7 * 4096, 5])
 def test_orpheus_rejects_an_id_out_of_range(value):
     ids = codes_to_orpheus(snac_codes(2)).copy()
     ids[7] = value

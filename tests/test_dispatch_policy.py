@@ -181,7 +181,8 @@ def _serve_equal_lengths(server, decoder, name: str, clients: int = 8, batches: 
 SERVER = dict(max_batch=16, max_batch_tokens=2400, rejoin_ms=20.0)
 
 
-def test_a_pipelined_lane_with_a_large_fixed_cost_waits_and_runs_every_client_at_once(thread_server, shm_name):
+def test_a_pipelined_lane_with_a_large_fixed_cost_waits_and_runs_every_client_at_once(
+        thread_server, shm_name):  # fmt: skip
     decoder = RecordingStandIn(a_ms=20.0, b_ms=0.01, asynchronous=True)
     server = thread_server(decoder, **SERVER)
     assert server.lanes == 1 and server._pipeline

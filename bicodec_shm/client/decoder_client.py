@@ -20,7 +20,8 @@ Every exception a caller sees is a ``ValueError`` (bad input) or a ``BiCodecShmE
 
 Codecs: the server names its codec and token layout in the segment header (transport.py).
 ``decode`` sends BiCodec's semantic and global ids; ``decode_codes`` sends any codec's code
-levels (SNAC's 3 or 4), ``decode_orpheus`` Orpheus's audio token ids (SNAC 24 kHz). Each is
+levels (SNAC's 3 or 4, DAC's codebooks), ``decode_orpheus`` Orpheus's audio token ids (SNAC
+24 kHz), ``decode_dia`` Dia's delayed audio tokens (DAC 44 kHz). Each is
 checked against the layout of the server that will decode it, and a request for another codec
 is refused with a ``ValueError`` naming both.
 """
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs.dia import dia_to_codes
 from ..codecs.layout import (
     DEFAULT_NOISE_SEED,
     LAYOUTS,
@@ -160,7 +162,7 @@ class DecoderClient:
         Args:
             semantic_ids: (T,) ints in [0, 8192): list, numpy array or tensor.
             global_ids: (32,) ints in [0, 4096).
-            dtype: "int16" (the seed's PCM conversion) or "float32" (the model's output).
+            dtype: "int16" (clipped, scaled by 32767, truncated) or "float32" (the model's output).
             timeout: seconds for this call (default: the handle's).
         Returns:
             (320·T,) int16 or float32 samples at 16 kHz.
@@ -177,7 +179,8 @@ class DecoderClient:
 
         Args:
             levels: one 1-D sequence of ids per level, coarsest first; for ``n`` frames level
-                ``i`` holds ``n·rate_i`` ids (SNAC 24 kHz: (n,), (2n,), (4n,)).
+                ``i`` holds ``n·rate_i`` ids (SNAC 24 kHz: (n,), (2n,), (4n,)). DAC's codes may
+                be one ``(n_codebooks, n)`` array.
             global_ids: for a codec that takes them (BiCodec's 32), else None.
             noise_seed: SNAC's decoder noise is a pure function of this seed (in [0, 2**63);
                 default ``codecs.DEFAULT_NOISE_SEED`` = 0): the same codes and seed always
@@ -230,6 +233,20 @@ class DecoderClient:
         """``decode_orpheus`` for asyncio."""
         request = self._prepare_codes(orpheus_to_codes(token_ids, base=base), None, noise_seed,
                                       noise, dtype, "snac-24khz", kind="orpheus")  # fmt: skip
+        return await self._decode_async(request, timeout)
+
+    def decode_dia(self, tokens: Any, *, dtype: str = "int16", timeout: float | None = None) -> np.ndarray:
+        """Decode Dia's delayed audio tokens, ``(rows, 9)`` (``codecs.dia``), on a ``dac-44khz``
+        server. Other arguments as ``decode_codes``. Returns 44.1 kHz samples."""
+        request = self._prepare_codes(dia_to_codes(tokens), None, DEFAULT_NOISE_SEED, True, dtype,
+                                      "dac-44khz")  # fmt: skip
+        return self._decode(request, timeout)
+
+    async def decode_dia_async(self, tokens: Any, *, dtype: str = "int16",
+                               timeout: float | None = None) -> np.ndarray:  # fmt: skip
+        """``decode_dia`` for asyncio."""
+        request = self._prepare_codes(dia_to_codes(tokens), None, DEFAULT_NOISE_SEED, True, dtype,
+                                      "dac-44khz")  # fmt: skip
         return await self._decode_async(request, timeout)
 
     @property
@@ -577,7 +594,7 @@ def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name
     arrays); a request shaped for another codec is refused naming both codecs."""
     _check_codec(request.kind, request.codec, layout, name)
     levels = request.levels
-    n_levels = len(levels) if isinstance(levels, (list, tuple)) else None
+    n_levels = len(levels) if isinstance(levels, (list, tuple)) or getattr(levels, "ndim", 0) == 2 else None
     globs = request.global_ids is not None
     if n_levels is not None and n_levels != layout.n_levels:
         guess = sorted(c.name for c in LAYOUTS.values()

@@ -29,7 +29,8 @@ Through a ``DecoderClient`` every window is an ordinary request to the shared se
 windows of many streams (in many worker processes) are batched together there; a push that makes
 several regions final sends their windows concurrently from ``push_async``. The client side needs
 numpy only. On a SNAC server a window goes out with ``decode_codes(..., noise_seed,
-start_frame)``, so the server draws the noise the full decode draws at the window's frames.
+start_frame)``, so the server draws the noise the full decode draws at the window's frames. On a
+DAC server (no noise) a push takes whole frames of every codebook, ``(n_codebooks, n)``.
 
 A failed decode (server gone, timeout) raises and leaves the stream as it was, with the new tokens
 buffered: calling ``push([])`` or ``finish()`` again retries.
@@ -162,6 +163,25 @@ _SNAC_WINDOWED = {
     # Orpheus's scheme (orpheus_tts/decoder.py) on 4-frame windows: [2048:4096] is frame 1 of 4.
     "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),
 }
+# DAC, in frames (512 samples at 44.1 kHz, 11.6 ms; 320 at 24 and 16 kHz). A NaN planted in one
+# frame's latent reaches 9.3 frames to each side at 44.1 kHz and 9.8 at 24/16 kHz, and with random
+# weights the far frames still weigh in: at full size and 44.1 kHz, 4-frame chunks with 10 frames
+# of left context are 16.5 dB off the full decode with 4 frames of lookahead, 24.5 dB with 6 and
+# 51 dB with 8. SNR of each preset against the full decode (benchmarks/bench_dac_streaming.py,
+# full size, random weights, 96 frames; RESULTS.md) in the comments: 44.1 / 24 / 16 kHz.
+_DAC = {
+    # First audio after 16 frames (186 ms at 44.1 kHz); each frame decoded ~3 times. 54.6 / 53.5 /
+    # 53.5 dB, within 241-316 int16 steps of the full decode.
+    "default": StreamSettings(chunk_tokens=8, left_context=10, lookahead=8, crossfade=0),
+    # 10 frames of context on each side cover the receptive field: float rounding only (113-119 dB,
+    # 1 int16 step at most).
+    "exact": StreamSettings(chunk_tokens=10, left_context=10, lookahead=10, crossfade=0),
+    # What Parler-TTS's streamer does at 44.1 kHz: 0.5 s chunks (43 frames), each decoded with the
+    # whole utterance so far (left context: the receptive field is as good) and the last ~5.7
+    # frames held back for the next decode (its stride, 2901 samples): lookahead 6. 34.2 / 36.6 /
+    # 35.5 dB; first audio after 49 frames (569 ms at 44.1 kHz).
+    "peers": StreamSettings(chunk_tokens=43, left_context=10, lookahead=6, crossfade=0),
+}
 CODEC_PRESETS: Mapping[str, Mapping[str, StreamSettings]] = {
     "bicodec": PRESETS,
     "snac-24khz": {
@@ -176,6 +196,9 @@ CODEC_PRESETS: Mapping[str, Mapping[str, StreamSettings]] = {
     },
     "snac-32khz": _SNAC_WINDOWED,
     "snac-44khz": _SNAC_WINDOWED,
+    "dac-44khz": _DAC,
+    "dac-24khz": _DAC,
+    "dac-16khz": _DAC,
 }
 
 
@@ -200,7 +223,7 @@ class DecodeStream:
         preset: ``"default"``, ``"exact"`` or ``"peers"`` (see :data:`PRESETS`); the four
             keyword settings below override single fields of it.
         chunk_tokens, left_context, lookahead, crossfade: see :class:`StreamSettings`.
-        dtype: ``"int16"`` (the seed's conversion, little-endian) or ``"float32"`` (the model's
+        dtype: ``"int16"`` (clipped, scaled by 32767 and truncated, little-endian) or ``"float32"`` (the model's
             output, little-endian) for the bytes returned.
         max_window: the most tokens one decode may carry (the server's ``--max-tokens``; None:
             its default for the codec, 1500 tokens for BiCodec, 30 s for SNAC); a large push is
@@ -542,9 +565,11 @@ def _model_decode(model: Any, ids: np.ndarray, global_ids: np.ndarray) -> np.nda
 
 
 def _snac_config(decoder: Any) -> Any:
-    """The config of an in-process SNACDecoder (it has per-level rates), else None."""
+    """The config of an in-process decoder of code levels (SNAC, DAC: its config has a layout),
+    else None."""
     config = getattr(decoder, "config", None)
-    return config if hasattr(decoder, "detokenize") and hasattr(config, "level_rates") else None
+    layout = getattr(config, "layout", None)
+    return config if hasattr(decoder, "detokenize") and isinstance(layout, CodecLayout) else None
 
 
 def _served_codes_layout(decoder: Any) -> CodecLayout | None:
@@ -564,10 +589,11 @@ def _split_levels(rows: np.ndarray, rates: tuple[int, ...]) -> list[np.ndarray]:
 def _snac_decode(model: Any, levels: list[np.ndarray], start: int, seed: int) -> np.ndarray:
     """In-process decode of one SNAC window: per-level codes -> (spf·n,) float32.
 
-    ``start_frames`` makes the window draw the noise the full decode draws at these frames.
+    ``start_frames`` makes the window draw the noise the full decode draws at these frames; a
+    codec without noise (DAC) takes neither.
     """
-    audio = model.detokenize([lv.astype(np.int64)[None] for lv in levels], noise_seeds=[seed],
-                             start_frames=[start])  # fmt: skip
+    noise = {"noise_seeds": [seed], "start_frames": [start]} if getattr(model.config, "noise", False) else {}
+    audio = model.detokenize([lv.astype(np.int64)[None] for lv in levels], **noise)
     return audio[0].cpu().numpy()  # (1, N) -> (N,)
 
 
@@ -588,6 +614,6 @@ def _fade_in(n: int) -> np.ndarray:
 def _to_bytes(audio: np.ndarray, *, as_float: bool) -> bytes:
     if as_float:
         return np.ascontiguousarray(audio, dtype="<f4").tobytes()
-    # The seed's exact conversion: clip, scale by 32767 in float32, truncate toward zero.
+    # The server's int16 conversion exactly: clip, scale by 32767 in float32, truncate toward zero.
     scaled = np.clip(audio.astype(np.float32), -1.0, 1.0) * np.float32(32767)
     return scaled.astype("<i2").tobytes()

@@ -5,15 +5,20 @@
     validation.py   token arrays from what callers pass (lists, numpy, torch tensors without
                     importing torch), checked before anything is written
     orpheus.py      Orpheus TTS's audio-token ids and ``<custom_token_N>`` text <-> SNAC codes
+    dia.py          Dia's delayed audio tokens <-> DAC 44 kHz codes
 
 The client imports these to validate a request before it writes anything; the model package has
-one decoder per codec (``model/bicodec/``, ``model/snac/``).
+one decoder per codec (``model/bicodec/``, ``model/snac/``, ``model/dac/``).
 
 May import: ``errors`` only (and numpy). Never torch.
 """
 
+from .dia import codes_to_dia, dia_to_codes
 from .layout import (
     BICODEC,
+    DAC_16KHZ,
+    DAC_24KHZ,
+    DAC_44KHZ,
     DEFAULT_NOISE_SEED,
     LAYOUTS,
     SNAC_24KHZ,
@@ -29,6 +34,9 @@ from .orpheus import codes_to_orpheus, custom_token_numbers, orpheus_to_codes
 
 __all__ = [
     "BICODEC",
+    "DAC_16KHZ",
+    "DAC_24KHZ",
+    "DAC_44KHZ",
     "DEFAULT_NOISE_SEED",
     "LAYOUTS",
     "SNAC_24KHZ",
@@ -38,8 +46,10 @@ __all__ = [
     "check_noise_seed",
     "check_request",
     "check_start_frame",
+    "codes_to_dia",
     "codes_to_orpheus",
     "custom_token_numbers",
+    "dia_to_codes",
     "get_layout",
     "orpheus_to_codes",
 ]

@@ -9,9 +9,13 @@ carries ``level_rates[i]`` codes per frame::
                 level 1  | b | b |      2 per frame
                 level 2  |c|c|c|c|      4 per frame
     SNAC 32/44  levels 0..3 at 1 : 2 : 4 : 8 codes per frame, no global ids
+    DAC 44 kHz  levels 0..8  |d|d|d|d|      one level per codebook of the residual quantizer,
+                             |d|d|d|d|      each 1 code per frame (11.6 ms, 512 samples);
+                                ...         DAC 24 kHz: 32 codebooks, 16 kHz: 12 (320 samples)
 
 A request of ``n`` frames therefore holds ``n · level_rates[i]`` codes at level ``i`` and
-decodes to ``n · samples_per_frame`` samples.
+decodes to ``n · samples_per_frame`` samples. A codec whose levels share one rate (DAC) may be
+sent as one 2-D array, ``(n_levels, n · rate)``: row ``i`` is level ``i``.
 """
 
 from __future__ import annotations
@@ -86,13 +90,22 @@ class CodecLayout:
         """Frames per second."""
         return self.sample_rate / self.samples_per_frame
 
+    @property
+    def uniform_rate(self) -> int | None:
+        """The rate every level shares (DAC's codebooks: 1), or None when the rates differ."""
+        return self.level_rates[0] if len(set(self.level_rates)) == 1 else None
+
     def describe(self) -> str:
         """One line for messages and ``stats``: ``snac-24khz: 3 levels at 1:2:4 ...``."""
-        rates = ":".join(map(str, self.level_rates))
+        levels = f"{self.n_levels} level(s) at {':'.join(map(str, self.level_rates))} codes per frame"
+        vocab = "/".join(map(str, self.level_vocab))
+        if self.n_levels > 4 and len(set(self.level_rates)) == len(set(self.level_vocab)) == 1:
+            # DAC 24 kHz's 32 codebooks would print 32 rates and 32 vocabularies: say it once.
+            levels = f"{self.n_levels} level(s) of {self.level_rates[0]} code(s) per frame each"
+            vocab = f"{self.level_vocab[0]} each"
         glob = f", {self.n_global} global ids" if self.takes_global_ids else ", no global ids"
         return (
-            f"{self.name}: {self.n_levels} level(s) at {rates} codes per frame, vocab "
-            f"{'/'.join(map(str, self.level_vocab))}, {self.samples_per_frame} samples per frame "
+            f"{self.name}: {levels}, vocab {vocab}, {self.samples_per_frame} samples per frame "
             f"at {self.sample_rate} Hz{glob}"
         )
 
@@ -149,8 +162,15 @@ BICODEC = CodecLayout("bicodec", (1,), (8192,), 320, 16000, n_global=32, global_
 SNAC_24KHZ = CodecLayout("snac-24khz", (1, 2, 4), (4096,) * 3, 2048, 24000)
 SNAC_32KHZ = CodecLayout("snac-32khz", (1, 2, 4, 8), (4096,) * 4, 3072, 32000)
 SNAC_44KHZ = CodecLayout("snac-44khz", (1, 2, 4, 8), (4096,) * 4, 3072, 44100)
+# descript-audio-codec's published models (8 kbps at 44.1 kHz, as Dia and Parler-TTS use it; 24 and
+# 16 kHz): one level per codebook, each at the frame rate, 1024 codes each.
+DAC_44KHZ = CodecLayout("dac-44khz", (1,) * 9, (1024,) * 9, 512, 44100)
+DAC_24KHZ = CodecLayout("dac-24khz", (1,) * 32, (1024,) * 32, 320, 24000)
+DAC_16KHZ = CodecLayout("dac-16khz", (1,) * 12, (1024,) * 12, 320, 16000)
 
-LAYOUTS: dict[str, CodecLayout] = {c.name: c for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ)}
+LAYOUTS: dict[str, CodecLayout] = {
+    c.name: c for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ, DAC_44KHZ, DAC_24KHZ, DAC_16KHZ)
+}
 
 
 DEFAULT_MAX_SECONDS = 30  # the longest request a server takes by default (serve --max-tokens)
@@ -171,6 +191,33 @@ def get_layout(name: str) -> CodecLayout:
         raise ValueError(f"unknown codec {name!r}; expected one of {sorted(LAYOUTS)}") from None
 
 
+def _array_rows(layout: CodecLayout, codes: Any) -> tuple[list[Any], bool]:
+    """A 2-D array (n_levels, frames · rate) as its rows, for a codec whose levels share one rate;
+    and whether they are checked already.
+
+    An integer numpy array in range is checked and converted once, whole (DAC 24 kHz has 32
+    levels: one check instead of 32). Anything else is split into rows for the per-level checks
+    and their messages.
+    """
+    rate = layout.uniform_rate
+    if rate is None:
+        raise ValueError(
+            f"{layout.name} has levels of different rates ({':'.join(map(str, layout.level_rates))}): "
+            f"send one 1-D sequence per level, not a 2-D array of shape {tuple(codes.shape)}"
+        )
+    if len(codes) != layout.n_levels:
+        flipped = codes.shape[1] == layout.n_levels
+        raise ValueError(
+            f"{layout.name} takes a ({layout.n_levels}, frames) array of codes, one row per level, "
+            f"got shape {tuple(codes.shape)}" + (" (transposed? rows are levels)" if flipped else "")
+        )
+    vocab = min(layout.level_vocab)
+    if (isinstance(codes, np.ndarray) and codes.dtype.kind in "iu" and codes.shape[1]
+            and codes.shape[1] % rate == 0 and codes.min() >= 0 and codes.max() < vocab):  # fmt: skip
+        return list(np.ascontiguousarray(codes, dtype=np.int32)), True  # rows of one copy
+    return list(codes), False
+
+
 def check_request(
     layout: CodecLayout,
     levels: Sequence[Any],
@@ -182,7 +229,8 @@ def check_request(
 
     Args:
         levels: one 1-D sequence of ids per level (lists, numpy arrays or tensors), coarsest
-            first; level ``i`` must hold ``frames · level_rates[i]`` ids.
+            first; level ``i`` must hold ``frames · level_rates[i]`` ids. For a codec whose
+            levels share one rate (DAC) also a 2-D array or tensor ``(n_levels, frames · rate)``.
         global_ids: the global ids for a codec that takes them, else None.
         max_frames: the most frames a request may carry (the server's slot size), or None.
 
@@ -196,6 +244,9 @@ def check_request(
             codec that has none.
     """
     name = layout.name
+    checked = False
+    if getattr(levels, "ndim", None) == 2:
+        levels, checked = _array_rows(layout, levels)
     if isinstance(levels, (str, bytes)) or not isinstance(levels, Sequence):
         raise ValueError(
             f"{name} takes a sequence of {layout.n_levels} code level(s), got {type(levels).__name__}"
@@ -206,12 +257,14 @@ def check_request(
             f"{name} takes {layout.n_levels} code level(s) at rates {rates}, got {len(levels)}"
         )
     limit = max_frames if max_frames is not None else np.iinfo(np.int32).max
-    arrays = [
+    if checked and len(levels[0]) > limit * layout.level_rates[0]:
+        checked = False  # too long: as_token_array says so, in its words
+    arrays = levels if checked else [
         as_token_array(level, what=f"levels[{i}]", vocab=vocab, max_len=limit * rate)
         for i, (level, rate, vocab) in enumerate(
             zip(levels, layout.level_rates, layout.level_vocab, strict=True)
         )
-    ]
+    ]  # fmt: skip
     frames = len(arrays[0])
     for i, (arr, rate) in enumerate(zip(arrays, layout.level_rates, strict=True)):
         if len(arr) != frames * rate:

@@ -12,6 +12,9 @@ computes ``N - 10 - 4096·(index % 7)``. The positions map to the levels as::
     code      a0   b0   c0   c1   b1   c2   c3        (frame f: a_f, b_2f.., c_4f..)
 
 Pass ``base=CUSTOM_TOKEN_OFFSET`` (10) to convert ``<custom_token_N>`` numbers instead of ids.
+Orpheus's special tokens (the 10 ids just below ``base``: start and end of speech, ...), which
+its language model emits around the audio, are skipped wherever they are, as Orpheus's own
+decoder skips them.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def orpheus_to_codes(
     Args:
         token_ids: 1-D ids (list, numpy array or tensor), 7 per frame, whole frames only.
         base: the id of position 0's code 0: 128266 for language-model ids (default), 10 for
-            the numbers N of ``<custom_token_N>``.
+            the numbers N of ``<custom_token_N>``. The 10 ids below it are Orpheus's special
+            tokens (``<custom_token_2>`` ends its speech): they are skipped.
 
     Raises:
         ValueError: a count that is not a multiple of 7, an id outside Orpheus's audio ids, or
@@ -57,13 +61,18 @@ def orpheus_to_codes(
             and position.
     """
     ids = as_utterance(token_ids, what="token_ids", batch_hint=ORPHEUS_BATCH_HINT)
+    special = (ids >= base - CUSTOM_TOKEN_OFFSET) & (ids < base)
+    kept = np.flatnonzero(~special)  # (7n,): each audio token's index in what was passed
+    skipped = f" (after skipping {int(special.sum())} special token(s))" if special.any() else ""
+    ids = ids[kept]
     n = len(ids)
     if n == 0:
-        raise ValueError("token_ids is empty: at least one frame of 7 tokens is needed")
+        raise ValueError(f"token_ids holds no audio token{skipped}: at least one frame of 7 is needed")
     if n % TOKENS_PER_FRAME:
         raise ValueError(
-            f"got {n} Orpheus audio tokens, not a multiple of {TOKENS_PER_FRAME}: {n // 7} whole "
-            f"frame(s) and {n % 7} token(s) left over (tokens {n - n % 7}..{n - 1})"
+            f"got {n} Orpheus audio tokens{skipped}, not a multiple of {TOKENS_PER_FRAME}: {n // 7} "
+            f"whole frame(s) and {n % 7} token(s) left over (tokens {int(kept[n - n % 7])}.."
+            f"{int(kept[n - 1])})"
         )
     rel = ids.astype(np.int64) - base  # (7n,): 4096·position + code when valid
     end = TOKENS_PER_FRAME * CODEBOOK_SIZE
@@ -72,7 +81,8 @@ def orpheus_to_codes(
     codes = frames - offsets  # (n, 7): the code each token carries if its offset is right
     bad = np.flatnonzero(((codes < 0) | (codes >= CODEBOOK_SIZE)).ravel())
     if len(bad):
-        _raise_bad_token(int(bad[0]), int(ids[bad[0]]), int(rel[bad[0]]), base, end, len(bad))
+        first = int(bad[0])
+        _raise_bad_token(first, int(kept[first]), int(ids[first]), int(rel[first]), base, end, len(bad))
     codes = codes.astype(np.int32)
     level0 = np.ascontiguousarray(codes[:, 0])
     level1 = np.ascontiguousarray(codes[:, [1, 4]].reshape(-1))
@@ -102,11 +112,12 @@ def custom_token_numbers(text: str) -> list[int]:
     return [int(m) for m in _CUSTOM_TOKEN.findall(text)]
 
 
-def _raise_bad_token(index: int, value: int, rel: int, base: int, end: int, count: int) -> None:
+def _raise_bad_token(index: int, given: int, value: int, rel: int, base: int, end: int,
+                     count: int) -> None:  # fmt: skip
+    """``index``: among the audio tokens (it fixes the frame and position); ``given``: in what the
+    caller passed, special tokens included."""
     frame, position = divmod(index, TOKENS_PER_FRAME)
-    where = (
-        f"token {index} (frame {frame}, position {position}, level {POSITION_LEVEL[position]})"
-    )
+    where = f"token {given} (frame {frame}, position {position}, level {POSITION_LEVEL[position]})"
     lo = base + position * CODEBOOK_SIZE
     expected = f"position {position} takes ids {lo}..{lo + CODEBOOK_SIZE - 1}"
     more = f" ({count - 1} more bad token(s))" if count > 1 else ""

@@ -2,7 +2,15 @@
 
     batch_decoder.py    ``BiCodecBatchDecoder``: the calls of an in-process batcher, served by
                         a shared server (or by a private one it starts in this process)
+    orpheus_tts.py      Orpheus TTS's streaming decoder (``orpheus_tts.decoder``'s
+                        ``tokens_decoder`` and ``tokens_decoder_sync``) on a ``serve --codec
+                        snac-24khz`` server
+    spark_tts.py        Spark-TTS's audio tokenizer (``BiCodecTokenizer.detokenize``) on a
+                        BiCodec server
 
 May import: ``client``, ``codecs``, ``protocol`` and ``errors``; and, only when asked to start a
-private server in the calling process, ``server`` and ``model``. Importing it imports no torch.
+private server in the calling process, ``server`` and ``model``. ``orpheus_tts`` and
+``spark_tts`` import only what the package exports (``DecoderClient`` and ``DecodeStream`` from
+the client layer, ``codecs``' exports, ``errors``). Importing it imports no torch: tensors are
+read by duck typing, so a worker that decodes through the server never loads it.
 """

@@ -1,6 +1,6 @@
-"""A drop-in for the seed's in-process ``BiCodecBatchDecoder``, backed by the shared server.
+"""A drop-in for an in-process ``BiCodecBatchDecoder``, backed by the shared server.
 
-The seed's snippet runs unchanged but for the construction line::
+Code written against the in-process batcher runs unchanged but for the construction line::
 
     batch_decoder = BiCodecBatchDecoder("tts-decoder")   # a running `bicodec-shm serve`
     # or: BiCodecBatchDecoder(BiCodecDecoder.from_pretrained(path), max_batch=16, timeout_ms=10)
@@ -27,7 +27,7 @@ PRIVATE_PREFIX = "bcshm-dropin"  # private servers' names: PRIVATE_PREFIX-<rando
 
 
 class BiCodecBatchDecoder:
-    """The seed's calls, served through shared memory.
+    """An in-process ``BiCodecBatchDecoder``'s calls, served through shared memory.
 
     Args:
         bicodec_decoder: a server's segment name (str), a model folder (``os.PathLike``), or a
@@ -98,7 +98,7 @@ class BiCodecBatchDecoder:
     async def decode_async(self, semantic_ids: Any, global_ids: Any) -> bytes:
         """Decode one request; returns little-endian int16 PCM bytes (320 samples per token).
 
-        Unlike the seed, a failure raises (``ValueError`` for bad input, ``DecodeError`` for a
+        Unlike an in-process batcher, a failure raises (``ValueError`` for bad input, ``DecodeError`` for a
         server-side failure) instead of hanging or returning None, and never affects other
         requests in the same batch.
         """
@@ -108,7 +108,7 @@ class BiCodecBatchDecoder:
         return pcm.astype("<i2", copy=False).tobytes()
 
     def get_stats(self) -> dict:
-        """The seed's keys: total_batches, total_requests, avg_batch_size, avg_batch_time_ms."""
+        """An in-process batcher's keys: total_batches, total_requests, avg_batch_size, avg_batch_time_ms."""
         stats = self._client.get_stats() if self._client is not None else {}
         return {
             "total_batches": stats.get("batches", 0),

@@ -7,6 +7,7 @@
     model/bicodec/      BiCodec (Spark-TTS): ``BiCodecDecoder``, ``BiCodecConfig``, and
                         ``GraphedDecoder`` (CUDA graphs over the shape buckets of a ``BucketGrid``)
     model/snac/         SNAC (Orpheus TTS): ``SNACDecoder``, ``SNACConfig``
+    model/dac/          DAC (Dia, Parler-TTS): ``DACDecoder``, ``DACConfig``
 
 May import: ``codecs``, ``errors``, and ``protocol`` (the batch record a codec's adapter reads);
 never the client, server, deploy or tools layers. Every decoder is exact under mixed-length
@@ -25,6 +26,8 @@ _EXPORTS = {
     "BiCodecConfig": ".bicodec.config",
     "BiCodecDecoder": ".bicodec.decoder",
     "BucketGrid": ".bicodec.buckets",
+    "DACConfig": ".dac",
+    "DACDecoder": ".dac",
     "GraphedDecoder": ".bicodec.graphs",
     "SNACConfig": ".snac",
     "SNACDecoder": ".snac",

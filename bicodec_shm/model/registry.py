@@ -17,6 +17,7 @@ DECODERS = {
     "snac-24khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
     "snac-32khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
     "snac-44khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
+    **dict.fromkeys(("dac-44khz", "dac-24khz", "dac-16khz"), ("bicodec_shm.model.dac.decoder", "DACDecoder")),
 }
 
 

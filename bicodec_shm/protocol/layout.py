@@ -55,8 +55,9 @@ GROUP_MAGIC = 0x5052475F43444342  # b"BCDC_GRP" little-endian
 # server that dies in between leaves something ``_check_takeover`` still knows as ours. (An
 # object of zeros is not: it may be anybody's.)
 CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
-# 3: answers carry their request's identity; 4: the codec seam; 5: a SNAC request's start frame
-LAYOUT_VERSION = 5
+# 3: answers carry their request's identity; 4: the codec seam; 5: a SNAC request's start frame;
+# 6: a header describes up to 64 code levels (DAC 24 kHz has 32 codebooks)
+LAYOUT_VERSION = 6
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -68,7 +69,10 @@ DEFAULT_SLOTS = 64
 MAX_SLOTS = 4096
 DEFAULT_MODE = 0o600
 DEFAULT_START_WAIT = 30.0  # seconds a new server waits for one stopping under its name
-MAX_LEVELS = 8  # code levels a header can describe
+# Code levels a header can describe. An RVQ codec's codebooks are levels of rate 1, and published
+# ones have up to 32 (DAC 24 kHz; EnCodec and Mimi at their highest bitrates): 64 leaves room,
+# for 512 bytes of header.
+MAX_LEVELS = 64
 CODEC_NAME_BYTES = 32
 FLAG_NO_NOISE = 1  # slot ``flags``: decode without the codec's noise (SNAC's noise=False)
 NO_BELL = 0xFFFFFFFF  # ``notify`` of a synchronous request: ring no bell

@@ -44,7 +44,10 @@ Phases::
     HOLD      the best candidate runs (a challenger must beat the one running by ``margin``,
               so noise does not flip it); after ``hold_seconds``, explore again.
 
-Every choice is logged with the scores behind it. A fixed ``--lanes`` bypasses all of this.
+Every choice is logged with the scores behind it, and so is the start of each exploration; each
+record carries the tuner's state (``record.lanes``, ``record.exploring``), so that a reader of the
+log (the bench) knows which of its measurements overlapped an exploration. A fixed ``--lanes``
+bypasses all of this.
 The tuner is pure bookkeeping (no threads, an injectable clock): the server feeds it decoded
 batches and applies what it returns; the server's ``BatchMeter`` (one lock, which every lane
 calls) measures each batch and its share. A window keeps its samples whole (``Window.samples``), so
@@ -248,7 +251,7 @@ class LaneTuner:
         self._clock = clock
         self.lanes = start  # the arrangement running now
         self.history: list[Choice] = []  # every decision, for logs and tests
-        self._begin_exploring(incumbent=start)
+        self._begin_exploring(incumbent=start, reason="measuring on the live traffic")
 
     # -- the server's side ------------------------------------------------------------------
 
@@ -258,7 +261,7 @@ class LaneTuner:
         if self._window is None:  # holding
             if self._clock() - self._held_since < self.tuning.hold_seconds * 1e9:
                 return None
-            self._begin_exploring(incumbent=self.lanes)
+            self._begin_exploring(incumbent=self.lanes, reason="re-exploring after the hold")
             return self._switch_to_window(reason="re-exploring after the hold")
         w = self._window
         if sample.planned_ns >= w.start_ns:  # batches of the previous arrangement do not count
@@ -274,13 +277,22 @@ class LaneTuner:
 
     # -- phases -----------------------------------------------------------------------------
 
-    def _begin_exploring(self, incumbent: int) -> None:
+    @property
+    def exploring(self) -> bool:
+        """True while candidates are being measured (EXPLORE); False while a choice holds."""
+        return self._window is not None
+
+    def _begin_exploring(self, incumbent: int, reason: str) -> None:
         others = [c for c in self.candidates if c != incumbent]
         order = [incumbent, *others]
         self._plan = order + order[::-1]  # mirrored: c0 c1 .. ck ck .. c1 c0
         self._incumbent = incumbent
         self._scores: dict[int, list[float]] = {}
         self._window: Window | None = Window(self._plan[0], self._clock())
+        # The first window runs the incumbent, so no choice is logged until the next one: say
+        # that an exploration began (its measurements mix arrangements until it ends).
+        log.info("lanes: exploring %s, from %d (%s)", self.candidates, incumbent, reason,
+                 extra={"lanes": self.lanes, "exploring": True})  # fmt: skip
 
     def _switch_to_window(self, reason: str) -> Choice | None:
         lanes = self._plan[0]
@@ -322,5 +334,6 @@ class LaneTuner:
         self.history.append(choice)
         scores = ", ".join(f"{c} lane(s): {s * 1e3:.2f} ms/token" for c, s in sorted(choice.scores.items()))
         log.info("lanes -> %d (%s)%s", choice.lanes, choice.reason,
-                 f"; busy time per token: {scores}" if scores else "")  # fmt: skip
+                 f"; busy time per token: {scores}" if scores else "",
+                 extra={"lanes": choice.lanes, "exploring": self.exploring})  # fmt: skip
         return choice

@@ -189,7 +189,7 @@ class Runner:
         dev16 = dev32 = None
         if n16:
             part = out if n16 == b else out[torch.from_numpy(rows16).to(out.device)]
-            # The seed's conversion, on the device: half the bytes come back.
+            # The int16 conversion (clip, scale by 32767, truncate), on the device: half the bytes come back.
             dev16 = torch.clamp(part, -1.0, 1.0).mul_(32767.0).to(torch.int16)
         if n16 < b:
             dev32 = out if n16 == 0 else out[torch.from_numpy(rows32).to(out.device)]
@@ -202,7 +202,7 @@ class Runner:
         return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event, started=started)
 
     def _to_int16(self, audio: np.ndarray, buffers: dict[type, np.ndarray]) -> np.ndarray:
-        """The seed's conversion of ``audio`` (B, N) float32 into ``buffers`` (one launch's
+        """The int16 conversion of ``audio`` (B, N) float32 into ``buffers`` (one launch's
         set): clip, scale by 32767 in float32, truncate toward zero. Two passes: the scaling
         writes int16 directly, with the same unsafe (truncating) cast that ``astype`` uses."""
         clipped = self._buffer(buffers, np.float32, audio.shape)

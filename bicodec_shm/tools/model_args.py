@@ -6,24 +6,27 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..codecs.layout import LAYOUTS
 from ..server.batching import DEFAULT_MAX_BATCH
 
 PRESETS = ("spark-tts-0.5b", "tiny")
 
 
-# Codecs `serve --codec` knows; each SNAC variant has a full-size and a tiny preset.
-CODECS = ("bicodec", "snac-24khz", "snac-32khz", "snac-44khz")
+# Codecs `serve --codec` knows: every layout (model/registry.py has a decoder for each). Each codec
+# but BiCodec has a full-size preset named after it and a tiny one, tiny-RATE (resolve_preset).
+CODECS = tuple(LAYOUTS)
 
 
-SNAC_PRESETS = tuple(f"{size}-{rate}" for rate in ("24khz", "32khz", "44khz") for size in ("snac", "tiny"))
+CODEC_PRESETS = tuple(dict.fromkeys(p for c in CODECS[1:] for p in (c, f"tiny-{c.split('-')[1]}")))
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
                    help="a Spark-TTS model folder or its BiCodec/ folder; for SNAC a folder with "
-                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz); default: none, "
-                        "random weights of --preset")  # fmt: skip
-    p.add_argument("--preset", default=None, choices=PRESETS + SNAC_PRESETS,
+                        "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz); for DAC "
+                        "descript-audio-codec's weights.pth; default: none, random weights of "
+                        "--preset")  # fmt: skip
+    p.add_argument("--preset", default=None, choices=PRESETS + CODEC_PRESETS,
                    help="architecture with random weights when no --model-dir is given (default: "
                         "the codec's full size; tiny: a small one of the same token layout)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -87,8 +90,9 @@ def resolve_preset(codec: str, preset: str | None) -> str:
     """The model preset of ``--codec`` and ``--preset``: None is the codec's full size, "tiny"
     its tiny one (tiny-24khz for snac-24khz); a preset of another codec is refused."""
     if codec == "bicodec":
-        if preset in SNAC_PRESETS:
-            raise ValueError(f"--preset {preset} is a SNAC model; add --codec snac-{preset.split('-')[1]}")
+        owners = [c for c in CODECS[1:] if preset in (c, f"tiny-{c.split('-')[1]}")]
+        if owners:
+            raise ValueError(f"--preset {preset} is not a BiCodec model; add --codec {' or '.join(owners)}")
         return preset or "spark-tts-0.5b"
     rate = codec.split("-")[1]
     if preset is None or preset == codec:

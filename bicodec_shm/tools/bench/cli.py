@@ -44,6 +44,16 @@ machine's CPU that *other* processes used meanwhile (the noise). Ratios (against
 the decoder per process, the queue server, the ideal batchers) are computed within each repeat
 and then summarised.
 
+Before the runs it names the model and, from a calibration (one process started, one request
+of the mix's mean length timed; ``--no-calibrate`` skips it), estimates the run's time and the
+requests a window will hold; it warns of a long full-size run on a CPU (``--quick`` or ``--model
+tiny`` for a short one) and of windows too short to count, and prints the first window's count
+as soon as it ends. A row whose numbers are noise is flagged, in the table, the JSON and the
+PNG (hollow markers): ``few`` (a window held fewer than 20 requests), ``spread`` (its
+throughput's max / min over the repeats above 1.5) and ``tuner`` (the lane tuner explored during
+more than 10 % of a window); a ratio computed from a flagged row is marked ``?``, and a ratio to
+the limit above 1 is marked ``!`` with a footnote saying why it is not a result (report.py).
+
 ``--sweep`` instead runs bicodec-shm alone at one N over a grid of ``max_wait_ms`` and
 ``max_batch_tokens``, to choose the batching defaults from data.
 
@@ -63,7 +73,8 @@ Usage::
     bicodec-shm bench --codec snac-24khz --n 4,8 --window 30   # SNAC (Orpheus), full size
 
 Results go to a table on stdout, JSON (default ``benchmarks/out/bench_throughput.json``) and a
-PNG of throughput and p99 against N (needs matplotlib: ``pip install "bicodec-shm[plot]"``).
+PNG of throughput, p99 latency and peak memory against N (needs matplotlib: ``pip install
+"bicodec-shm[plot]"``).
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ import datetime
 import inspect
 import itertools
 import json
+import math
 import os
 import signal
 import sys
@@ -94,8 +106,10 @@ from ...server.batching import (
     default_max_batch_tokens,
 )
 from ...server.dispatch_policy import DISPATCH_MODES
-from ..model_args import SNAC_PRESETS, resolve_preset
+from ..model_args import CODEC_PRESETS, resolve_preset
+from .calibrate import Calibration, calibrate, estimate_seconds, mean_frames, run_seconds, sweep_seconds
 from .config import (
+    COMPUTED,
     DEFAULT_NS,
     DEFAULT_OMP_WAIT_POLICY,
     DEFAULT_REPEATS,
@@ -120,6 +134,8 @@ from .decoding import DEVICE_ENV
 from .orchestrate import bench_all, bench_sweep, runs_per_repeat
 from .plot import PLOT_EXTRA, plot
 from .report import (
+    MIN_REQUESTS,
+    NOISE_RULES,
     _json_default,
     compare,
     format_sweep,
@@ -192,7 +208,7 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
     p.add_argument("--codec", default="bicodec", choices=sorted(LAYOUTS),
                    help="the codec benchmarked (default bicodec): its layout draws the requests, "
                         "its model decodes them")  # fmt: skip
-    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + SNAC_PRESETS,
+    p.add_argument("--model", "--preset", dest="preset", default=None, choices=MODELS + CODEC_PRESETS,
                    help="architecture with random weights, or the device-shaped stand-in (BiCodec "
                         "only); default the codec's full size (spark-tts-0.5b, snac-24khz, ...), "
                         "--quick its tiny one")  # fmt: skip
@@ -277,6 +293,10 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                         "current folder; the run prints the full path first)")  # fmt: skip
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the calibration before the runs (one model process timing a request, "
+                        "for the estimated time and requests per window); the requests of the first "
+                        "window are printed when it ends")  # fmt: skip
 
 
 def check_server_options(options: dict[str, Any]) -> None:
@@ -420,6 +440,7 @@ class Plan:
             stand_in_async=bool(args.stand_in and args.stand_in[2]), shm=variants,
             per_process_max_n=args.per_process_max_n, memory_gib=args.memory_gib,
         )  # fmt: skip
+        self.device = args.device
         self.ns: tuple[int, ...] = tuple(ns)
         self.systems = systems
         self.repeats = repeats
@@ -445,10 +466,13 @@ class Plan:
             load = "requests per client: " + ", ".join(f"N={n}: {self.requests[n]}" for n in ns)
         if setup.stand_in:
             a, b = setup.stand_in_ms
-            model = (f"model {STAND_IN}: {a:.4g} + {b:.4g} x rows x longest ms per batch, no CPU"
-                     + (", an asynchronous device (one pipelined lane)" if setup.stand_in_async else ""))  # fmt: skip
+            device = ", an asynchronous device (one pipelined lane)" if setup.stand_in_async else ""
+            model = f"model {STAND_IN}: {a:.4g} + {b:.4g} x rows x longest ms per batch, no CPU{device}"
         else:
-            model = f"codec {setup.codec}, model {setup.preset} (random weights, seed {setup.seed})"
+            size = "the tiny test size" if setup.preset.startswith("tiny") else "the full size"
+            model = (f"codec {setup.codec}, model {setup.preset} ({size}), random weights (seed "
+                     f"{setup.seed}; the bench builds a preset, it loads no folder), on "
+                     f"{self.device}")  # fmt: skip
         threads = (f"torch threads: servers and the limit {setup.cores} (all cores); decoder per "
                    f"process max(1, {setup.cores} // N) each "
                    f"({', '.join(f'N={n}: {per_process_threads(setup.cores, n)}' for n in ns)}); "
@@ -465,6 +489,134 @@ class Plan:
         extra = [f"{v.label}: " + ", ".join(f"{k}={o!r}" for k, o in v.server_options.items())
                  for v in setup.shm if v.server_options]  # fmt: skip
         return "\n".join(lines + extra)
+
+
+    @property
+    def full_size_on_cpu(self) -> bool:
+        setup = self.setup
+        return not setup.stand_in and not setup.preset.startswith("tiny") and self.device.startswith("cpu")
+
+    def estimate(self, cal: Calibration | None, *, sweep: bool, grid: int = 1) -> float | None:
+        """About how long the runs take (None: not calibrated)."""
+        if cal is None:
+            return None
+        setup, count = self.setup, self.requests
+        if sweep:
+            return sweep_seconds(cal, setup, self.ns[0], grid, self.repeats, count and count[self.ns[0]])
+        return estimate_seconds(cal, setup, self.ns, self.systems, self.repeats, count)
+
+    def expectations(self, cal: Calibration | None, *, sweep: bool, grid: int = 1) -> list[str]:
+        """The lines printed before the runs: how long they take, how many requests a window
+        holds, and a warning for a long full-size run on a CPU or windows too short to count."""
+        setup = self.setup
+        runs = (grid if sweep else len(self.ns) * runs_per_repeat(setup, self.systems)) * self.repeats
+        total = self.estimate(cal, sweep=sweep, grid=grid)
+        lines = []
+        if cal is not None:
+            assert total is not None
+            frames = round(mean_frames(setup.mix))
+            decode = (f"on {setup.cores} cores" if cal.how == "measured" else f"({cal.how})")
+            lines.append(f"estimated time: about {_span(total)} for {runs} runs (calibration: a process "
+                         f"starts in {_span(cal.process_s)}, builds and warms its model in "
+                         f"{_span(cal.model_s)}; one request of {frames} frames, the mix's mean, "
+                         f"decodes in {_span(cal.request_s)} {decode})")  # fmt: skip
+        else:
+            windows = (f"{_span(runs * setup.window)} of windows" if setup.window is not None
+                       else "the requests")  # fmt: skip
+            lines.append(f"estimated time: {windows} plus start-up for {runs} runs (not calibrated: "
+                         "--no-calibrate; the first window's requests are printed when it ends)")  # fmt: skip
+        if self.requests is not None:
+            least = min(n * self.requests[n] for n in self.ns)
+            lines.append("requests per run (counted, no window): "
+                         + ", ".join(f"N={n}: {n * self.requests[n]}" for n in self.ns))  # fmt: skip
+            if least < MIN_REQUESTS:
+                lines.append(f"warning: a run of {least} requests, fewer than {MIN_REQUESTS}: its "
+                             "numbers will be noise (flagged 'few'); --requests or --total-requests "
+                             "larger")  # fmt: skip
+        elif cal is not None:
+            expected = cal.requests_per_window(setup.window)
+            lines.append(f"expected requests per window: about {expected:.0f} or more (all clients "
+                         f"together, one request at a time: the decoder per process's pace; a "
+                         "batching system holds more)")  # fmt: skip
+            if expected < MIN_REQUESTS:
+                need = math.ceil(MIN_REQUESTS * cal.request_s)
+                lines.append(f"warning: a {setup.window:g} s window holds about {_requests(expected)}, "
+                             f"fewer than {MIN_REQUESTS}: its numbers will be noise (flagged 'few'); "
+                             f"--window {need} or more holds {MIN_REQUESTS}")  # fmt: skip
+        long = total if total is not None else (runs * setup.window if setup.window is not None else 0)
+        if self.full_size_on_cpu and long >= LONG_RUN_S:
+            quick = f"N = {','.join(map(str, QUICK_NS))}, {QUICK_WINDOW_S:g} s windows, 1 repeat"
+            lines.append(f"warning: the full-size model ({setup.preset}) on a CPU: this run takes about "
+                         f"{_span(long)}{'' if total is not None else ' plus start-up'}. For a quick one: "
+                         f"--quick (the tiny model, {quick}), or --model tiny (the tiny model, these N "
+                         "and windows)")  # fmt: skip
+        return lines
+
+
+# A full-size run on a CPU at least this long (seconds) is warned about before it starts.
+LONG_RUN_S = 120.0
+
+
+def _requests(count: float) -> str:
+    k = round(count)
+    return f"{k} request" if k == 1 else f"{k} requests"
+
+
+def _span(seconds: float) -> str:
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 0.1:
+        return f"{seconds * 1000:.2g} ms"
+    return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+
+
+class _RunReporter:
+    """Called with the runs' results so far after each system's run: prints the first run's
+    count of requests as soon as it ends, with the time the runs so far took against the
+    estimate and what that makes of the rest; warns once per system whose run counted too few."""
+
+    def __init__(self, plan: Plan, cal: Calibration | None, total: float | None, started: float) -> None:
+        self.plan, self.cal, self.total, self.started = plan, cal, total, started
+        self.done = 0
+        self.first = True
+        self.few: set[str] = set()
+
+    def __call__(self, done: list) -> None:
+        from tqdm import tqdm
+
+        new = [r for r in done[self.done:] if r.wall_seconds > 0 and r.system not in COMPUTED]  # ran
+        self.done = len(done)
+        for r in new:
+            span = f"its {r.window_s:g} s window" if r.window_s else "its run"
+            if self.first:
+                self.first = False
+                tqdm.write(f"first run: N={r.n_clients} {r.system}: {_requests(r.requests)} in {span}"
+                           f"{self._expected(r)}{self._pace(done)}", file=sys.stdout)  # fmt: skip
+            if r.requests < MIN_REQUESTS and r.system not in self.few:
+                self.few.add(r.system)
+                tqdm.write(f"warning: N={r.n_clients} {r.system}: {_requests(r.requests)} in {span}, "
+                           f"fewer than {MIN_REQUESTS}: flagged 'few' (noise); a longer --window "
+                           "holds more", file=sys.stdout)  # fmt: skip
+
+    def _expected(self, r: Any) -> str:
+        if self.cal is None or not r.window_s:
+            return ""
+        return f" (calibration: about {self.cal.requests_per_window(r.window_s):.0f} or more)"
+
+    def _pace(self, done: list) -> str:
+        """The runs so far against their estimate, and the rest scaled by that."""
+        if self.cal is None or self.total is None:
+            return ""
+        plan, count = self.plan, self.plan.requests
+        ran = [r for r in done if r.system not in COMPUTED]
+        guessed = sum(run_seconds(self.cal, plan.setup, r.system, r.n_clients, count and count[r.n_clients])
+                      for r in ran)  # fmt: skip
+        took = time.perf_counter() - self.started
+        rest = max(0.0, self.total - guessed) * (took / guessed if guessed > 0 else 1.0)
+        return (f"; {len(ran)} run(s) took {_span(took)} (estimated {_span(guessed)}), the rest "
+                f"about {_span(rest)}")  # fmt: skip
 
 
 def run_and_report(args: argparse.Namespace) -> int:
@@ -493,14 +645,24 @@ def run_and_report(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
+    cal: Calibration | None = None
+    reporter = None
 
     def save_partial(done: list) -> None:
         """The runs so far, so that a run cut short (a step's timeout) still leaves them."""
         partial = {"benchmark": "bench_throughput", "partial": True, "environment": environment(),
                    "results": [{k: v for k, v in asdict(r).items() if k != "batches"} for r in done]}
         _write_json(args.json, partial)
+        if reporter is not None:
+            reporter(done)
 
     try:
+        if not args.no_calibrate:
+            print("calibrating: one process starts, builds the model and times a request ...", flush=True)
+            cal = calibrate(setup)
+        print("\n".join(plan.expectations(cal, sweep=args.sweep, grid=grid)) + "\n", flush=True)
+        reporter = _RunReporter(plan, cal, plan.estimate(cal, sweep=args.sweep, grid=grid),
+                                time.perf_counter())  # fmt: skip
         if args.sweep:
             results = bench_sweep(setup, ns[0], requests=plan.requests and plan.requests[ns[0]],
                                   waits=args.sweep_wait, tokens=args.sweep_tokens,
@@ -541,6 +703,9 @@ def run_and_report(args: argparse.Namespace) -> int:
         },  # fmt: skip
         "environment": environment(),
         "elapsed_s": elapsed,
+        "calibration": asdict(cal) if cal is not None else None,
+        "estimated_s": plan.estimate(cal, sweep=args.sweep, grid=grid),
+        "noise_rules": NOISE_RULES,
         "results": [{k: v for k, v in asdict(r).items() if k != "batches"} for r in results],
         "shm_names": names,
         "left_in_dev_shm": left,
@@ -561,14 +726,16 @@ def run_and_report(args: argparse.Namespace) -> int:
         comparison = compare(results)
         report["summary"] = summary(results)
         report["comparison"] = {str(n): c for n, c in comparison.items()}
-        # The issue's targets were set for BiCodec's model and mix.
+        # The targets were set for BiCodec's model and mix.
         report["targets"] = (targets(comparison, stand_in=setup.stand_in, mix=setup.mix)
                              if setup.codec == "bicodec" else [])  # fmt: skip
         print(format_table(results, comparison))
         print()
         print(format_targets(report["targets"], ran=ns) if setup.codec == "bicodec"
-              else f"targets: none for {setup.codec} (the issue's targets are BiCodec's)")  # fmt: skip
-    print(f"\nwall time {elapsed:.0f} s; failed requests {failed}; left in /dev/shm: "
+              else f"targets: none for {setup.codec} (the targets are BiCodec's)")  # fmt: skip
+    estimated = plan.estimate(cal, sweep=args.sweep, grid=grid)
+    estimated_text = f" (estimated {_span(estimated)})" if estimated is not None else ""
+    print(f"\nwall time {elapsed:.0f} s{estimated_text}; failed requests {failed}; left in /dev/shm: "
           f"{', '.join(left) or 'nothing'}")  # fmt: skip
     _write_json(args.json, report)
     print(f"wrote {os.path.abspath(args.json)}")

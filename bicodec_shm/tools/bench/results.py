@@ -43,6 +43,11 @@ class RunResult:
     window_s: float | None = None  # None: a fixed request count
     cut_at_edge: int = 0  # requests (the limit: batches) completed after the window, left out
     batches: list = field(default_factory=list, repr=False)  # bicodec-shm's, for the limit
+    # bicodec-shm: the lane counts that took batches in the window ([]: not known, or not a server
+    # with lanes), and the seconds of it the lane tuner spent exploring (None: no tuner ran).
+    lanes: list = field(default_factory=list)
+    tuner_exploring_s: float | None = None
+    replays: str = ""  # the limit: the bicodec-shm configuration whose batches it replays
 
     @property
     def cpu_per_audio_s(self) -> float | None:
@@ -90,3 +95,21 @@ def _skipped(system: str, n: int, note: str) -> RunResult:
                      latency_p50_ms=None, latency_p99_ms=None, avg_batch_size=0.0,
                      batch_size_histogram={}, peak_rss_mib=0.0, cpu_seconds=0.0,
                      others_cpu_share=None, threads="", policy={}, note=note)  # fmt: skip
+
+
+def lane_phases_in_window(phases: list[tuple[float, int, bool]], t0: float,
+                          t_end: float) -> tuple[list[int], float]:  # fmt: skip
+    """What the lane tuner did in the window [t0, t_end], from its state changes ``phases``
+    ((perf_counter, lanes, exploring), in order, the first at the server's start): the lane
+    counts that ran in it, sorted, and the seconds of it spent exploring. ([], 0.0) without
+    phases (no tuner)."""
+    lanes: set[int] = set()
+    exploring_s = 0.0
+    for k, (t, n, exploring) in enumerate(phases):
+        until = phases[k + 1][0] if k + 1 < len(phases) else t_end
+        lo, hi = max(t, t0), min(until, t_end)
+        if hi > lo:
+            lanes.add(n)
+            if exploring:
+                exploring_s += max(0.0, hi - lo)
+    return sorted(lanes), exploring_s

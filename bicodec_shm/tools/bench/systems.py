@@ -41,7 +41,7 @@ from .config import (
     Setup,
     ShmVariant,
 )
-from .results import RunResult, _batch_stats, _skipped, _summarize
+from .results import RunResult, _batch_stats, _skipped, _summarize, lane_phases_in_window
 from .sampling import _Sampler
 from .standin import ideal_run
 from .workers import (
@@ -53,6 +53,7 @@ from .workers import (
     _shm_client,
     _shm_server,
     read_batches,
+    read_lane_phases,
 )
 from .workload import audio_seconds
 
@@ -187,10 +188,13 @@ def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampl
     max_tokens = max(default_max_frames(setup.codec), max(b.hi for b in setup.mix))
     fd, record_path = tempfile.mkstemp(prefix="bcshm-batches-", suffix=".txt")
     os.close(fd)
+    phases_path = None
     run = _Run(ctx, sampler, bar, setup.timeout)
     try:
+        fd, phases_path = tempfile.mkstemp(prefix="bcshm-lanes-", suffix=".txt")  # the lane tuner's
+        os.close(fd)
         run.spawn(_shm_server, name, setup.model, setup.cores, policy, slots, max_tokens,
-                  variant.server_options, record_path, run.events,
+                  variant.server_options, record_path, run.events, phases_path,
                   name="bench-shm-server")  # fmt: skip
         for i in range(n):
             run.spawn(_shm_client, name, setup.codec, i, setup.mix, setup.seed, count, setup.timeout,
@@ -201,10 +205,13 @@ def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampl
         header = read_header(name)
         stats = stats_from_header(header) if header is not None else {}
         batches = read_batches(record_path, t0, t_end)
+        phases = read_lane_phases(phases_path)
     finally:
         run.stop()  # SIGTERM: the server finishes its batch, then unlinks everything
         unlink_all(name)  # only does something if the server could not clean up after itself
         os.remove(record_path)
+        if phases_path is not None:
+            os.remove(phases_path)
     left = leftover_objects(name)
     if left:
         raise RuntimeError(f"/dev/shm objects left behind under {name!r}: {left}")
@@ -220,6 +227,10 @@ def bench_shm(setup: Setup, n: int, *, count: int | None = None, ctx: Any, sampl
         result.padding_overhead = stats["padded_tokens"] / stats["tokens"] - 1 if stats["tokens"] else None
         result.note = "batch sizes from the server's counters (whole run); no batches recorded"
     result.batches = batches
+    if phases:  # the lane tuner ran: what it did in the window
+        result.lanes, result.tuner_exploring_s = lane_phases_in_window(phases, t0, t_end)
+    elif "lanes" in stats:  # a fixed lane count
+        result.lanes = [stats["lanes"]]
     return result
 
 
@@ -241,6 +252,7 @@ def bench_limit(setup: Setup, batches: list[list[int]], n: int, *, ctx: Any, sam
                         threads=f"{setup.cores} (one process)", layout=setup.layout)  # fmt: skip
     _batch_stats(result, batches)
     result.note = f"replays {setup.shm[0].label}'s batches; no latency (no clients)"
+    result.replays = setup.shm[0].label
     return result
 
 

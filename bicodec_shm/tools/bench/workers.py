@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -162,18 +163,55 @@ class _RecordingAdapter:
         self._file.write(f"{started!r} " + " ".join(str(n) for n in batch.lengths.tolist()) + "\n")
 
 
-def _show_lane_choices() -> None:
+def _show_lane_choices(phases_path: str | None = None) -> None:
     """Print the server's measured choices on stderr, with their numbers: lane counts
-    (lane_tuner.py), batching (batch_costs.py) and dispatch (dispatch_policy.py)."""
-    import logging
+    (lane_tuner.py), batching (batch_costs.py) and dispatch (dispatch_policy.py); with
+    ``phases_path``, also append the lane tuner's state at each of its choices to that file
+    (``read_lane_phases``), so that the parent knows which windows overlapped an exploration."""
     import sys
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("\n  server: %(message)s"))
-    for name in ("lanes", "batching", "dispatch"):
+    tuner_log = logging.getLogger("bicodec_shm.server.lanes")
+    for name in ("batching", "dispatch"):
         choices_log = logging.getLogger(f"bicodec_shm.server.{name}")
         choices_log.addHandler(handler)
         choices_log.setLevel(logging.INFO)
+    tuner_log.addHandler(handler)
+    tuner_log.setLevel(logging.INFO)
+    if phases_path is not None:
+        tuner_log.addHandler(_PhaseRecorder(phases_path))
+
+
+class _PhaseRecorder(logging.Handler):
+    """Each lane-tuner record that carries the tuner's state becomes a line ``perf_counter lanes
+    exploring(0|1)`` of a file (perf_counter: the clock of the window)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(logging.INFO)
+        # No O_CREAT, as _RecordingDecoder: the parent made the file and removes it.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._file = os.fdopen(fd, "a", buffering=1)  # line-buffered: complete lines survive a kill
+
+    def emit(self, record: logging.LogRecord) -> None:
+        lanes, exploring = getattr(record, "lanes", None), getattr(record, "exploring", None)
+        if lanes is not None and exploring is not None:
+            self._file.write(f"{time.perf_counter()!r} {int(lanes)} {int(bool(exploring))}\n")
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def read_lane_phases(path: str) -> list[tuple[float, int, bool]]:
+    """The ``_PhaseRecorder`` lines of ``path``: (perf_counter, lanes, exploring), in order."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 3:
+                out.append((float(fields[0]), int(fields[1]), fields[2] == "1"))
+    return out
 
 
 def read_batches(path: str, t0: float, t_end: float) -> list[list[int]]:
@@ -189,13 +227,13 @@ def read_batches(path: str, t0: float, t_end: float) -> list[list[int]]:
 
 def _shm_server(name: str, spec: ModelSpec, threads: int, policy: Policy, slots: int,
                 max_tokens: int, server_options: dict[str, Any], record_path: str,
-                events: Any) -> None:  # fmt: skip
+                events: Any, phases_path: str | None = None) -> None:  # fmt: skip
     with _reporting(events, f"{SHM} server"):
         from ...server.server import DecoderServer
 
         decoder = _RecordingDecoder(load_model(spec, threads), record_path)
         options = {"slots": slots, "max_tokens": max_tokens, **server_options}
-        _show_lane_choices()
+        _show_lane_choices(phases_path)
         server = DecoderServer(decoder, name, max_batch=policy.max_batch,
                                max_wait_ms=policy.max_wait_ms,
                                max_batch_tokens=policy.max_batch_tokens, **options)  # fmt: skip

@@ -119,12 +119,19 @@ def test_before_anything_is_measured_it_does_what_the_lane_did_before():
 def test_the_prevailing_choice_follows_the_traffic_and_each_change_is_logged(caplog):
     policy = _policy()
     with caplog.at_level(logging.INFO, logger="bicodec_shm.server.dispatch"):
-        for _ in range(20):  # 16 x 50 tokens
+        for _ in range(80):  # 16 x 50 tokens
             _decide(policy, MODERN, [50] * 8, [50] * 8)
-        for _ in range(20):  # the traffic changes: lengths the budget splits
+        switched = None
+        for i in range(80):  # the traffic changes: lengths the budget splits
+            waits = policy.waits
             _decide(policy, MODERN, [40, 45, 50, 42, 38, 50, 47, 44], [50, 45, 48, 200],
                     max_batch_tokens=512)  # fmt: skip
+            if switched is None and len(policy.history) == 2:
+                switched = i
+            elif switched is None:
+                assert policy.waits == waits + 1  # until the votes turn, the lane keeps waiting
     assert [c.wait for c in policy.history] == [True, False]
+    assert switched is not None and switched < 4 * 9  # nine votes of sixteen, one every fourth plan
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert lines[0].startswith("dispatch -> wait for the clients of the running batch: now 8 rows of <= 50 "

@@ -456,8 +456,10 @@ class DecoderServer:
 
     def _wants_wait(self, ready: Requests, coming: list[int], key: int | None) -> bool:
         fit = self._planner.costs.fit(key)
-        return self._policy.should_wait(ready.lengths, ready.seen_ns, coming, fit,
-                                        lambda lengths, seen: self._planner.predict(lengths, seen, fit=fit))
+        def predict(lengths: np.ndarray, seen: np.ndarray) -> np.ndarray:
+            return self._planner.predict(lengths, seen, fit=fit, key=key)
+
+        return self._policy.should_wait(ready.lengths, ready.seen_ns, coming, fit, predict)
 
     def _rejoin_pays(self, seg: Segment) -> bool:
         """A sequential lane: wait for the clients just answered (``_answered``)?"""

@@ -41,15 +41,25 @@
 #   bench_model_<dtype>  benchmarks/bench_model.py on cuda:0: B 1-32 x T 25-300, graphs off and on,
 #                TFLOPS and % of peak, SNR vs float32, batched vs lone -> bench_model_<dtype>.json
 #                (rewritten after every shape, so a step cut short keeps its small shapes)
+#   fit_costs    benchmarks/fit_batch_costs.py on the bench_model JSONs: each dtype's batch cost,
+#                graphs off and on, as a + b x rows x longest ms, and the stand-in that plays it
+#                (float32, no graphs: the server's default) -> fit_costs.json (needs no GPU)
 #   bench_throughput     python -m bicodec_shm bench --device cuda:0 (BENCH_FLAGS): N = 1, 4, 16,
 #                32; the decoder per process only up to N = 16 -> bench_throughput.json
 #                (rewritten after every run)
+#   bench_standin        the stand-in bench with the fitted costs (--stand-in A,B,async,
+#                STANDIN_FLAGS): dispatch auto, pipeline and wait at N = 4 and 16, next to the real
+#                decoder's run in the summary -> bench_standin.json (needs no GPU, only fit_costs)
 #   bench_snac   benchmarks/bench_snac_model.py --variant snac-24khz on cuda:0 (Orpheus's codec):
 #                cost per frame at B 1 and 16, batched vs lone, FLOPs -> bench_snac.json
 #   bench_dac    python -m bicodec_shm bench --codec dac-44khz --device cuda:0 (Dia's and
 #                Parler-TTS's codec, full size): N = 4, 16 against a decoder per process
 #                -> bench_dac.json
-#   summary.txt  each step's exit code and seconds, then the numbers the targets ask for
+#   summary.txt  each step's exit code and seconds, then the numbers the targets ask for, the
+#                fitted costs, and the real decoder's throughput next to the fitted stand-in's
+#
+# Without CUDA it skips, unless STEPS names only steps that need no GPU (fit_costs,
+# bench_standin): those run (on the JSONs already in $SCRATCH), so that they are checked on a CPU.
 #
 # Files: every step writes into a scratch folder ($SCRATCH, default a fresh /tmp folder); after
 # each step summary.txt and one archive of the scratch folder are (re)written to OUT_DIR, since
@@ -57,7 +67,7 @@
 #
 # Knobs (environment): PYTHON (default /opt/torch/.venv/bin/python3 if it exists, else python3),
 # WHEELS (.whl), SITE (/tmp/site), SCRATCH, STEPS (default all, in the order above), DTYPES
-# ("float32 bfloat16 float16"), DEADLINE_S (420), BENCH_FLAGS (below), DEVICE_CHECK_DRY_RUN=1
+# ("float32 bfloat16 float16"), DEADLINE_S (420), BENCH_FLAGS and STANDIN_FLAGS (below), DEVICE_CHECK_DRY_RUN=1
 # (write each step's command to its log instead of running it: tests/test_device_check.py).
 set -uo pipefail
 
@@ -71,8 +81,10 @@ WHEELS="${WHEELS:-$ROOT/.whl}"
 SITE="${SITE:-/tmp/site}"
 DTYPES="${DTYPES:-float32 bfloat16 float16}"
 DEADLINE_S="${DEADLINE_S:-420}"
-ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 bench_throughput bench_snac bench_dac"
-ALL_STEPS+=" bench_model_float16"
+ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 fit_costs bench_throughput bench_standin"
+ALL_STEPS+=" bench_snac bench_dac bench_model_float16"
+CPU_STEPS="fit_costs bench_standin"  # they need no GPU
+STEPS_GIVEN="${STEPS:-}"
 STEPS="${STEPS:-$ALL_STEPS}"
 # `bicodec-shm bench` flags: N clients; one 5 s window per system and N (the GPU decodes in ms,
 # so 5 s holds thousands of requests); the decoder per process only up to N = 16 (32 processes
@@ -82,6 +94,11 @@ STEPS="${STEPS:-$ALL_STEPS}"
 DEFAULT_BENCH_FLAGS="--n 1,4,16,32 --window 5 --repeats 1 --timeout 60 --per-process-max-n 16"
 DEFAULT_BENCH_FLAGS+=" --memory-gib 120 --systems shm,limit,per-process --no-plot --no-progress"
 BENCH_FLAGS="${BENCH_FLAGS:-$DEFAULT_BENCH_FLAGS}"
+# The stand-in with the fitted costs: the same mix and the CUDA server's token budget (the stand-in
+# runs on the host, whose default budget is the CPU's); each dispatch policy; 3 s windows.
+DEFAULT_STANDIN_FLAGS="--n 4,16 --window 3 --repeats 1 --timeout 60 --systems shm --max-batch-tokens 2400"
+DEFAULT_STANDIN_FLAGS+=" --dispatch auto,pipeline,wait --no-plot --no-progress"
+STANDIN_FLAGS="${STANDIN_FLAGS:-$DEFAULT_STANDIN_FLAGS}"
 REQUIRED_MODULES="numpy posix_ipc safetensors yaml tqdm psutil pytest pytest_timeout"
 
 mkdir -p "$OUT_DIR" || exit 2
@@ -171,8 +188,16 @@ elif [ "${torch_state%% *}" = nocuda ]; then
         say "FAILED: nvidia-smi lists a GPU but torch (version, CUDA: ${torch_state#* }) cannot use it"
         finish 2
     fi
-    say "skipped: no CUDA device (torch ${torch_state#* } sees none); nothing to check on this machine"
-    finish 0
+    cpu_only=""
+    for step in $STEPS_GIVEN; do
+        case " $CPU_STEPS " in *" $step "*) cpu_only+="${cpu_only:+ }$step" ;; esac
+    done
+    if [ -z "$cpu_only" ] || [ "$cpu_only" != "$STEPS_GIVEN" ]; then
+        say "skipped: no CUDA device (torch ${torch_state#* } sees none); nothing to check on this machine"
+        finish 0
+    fi
+    STEPS="$cpu_only"
+    say "no CUDA device: running only the steps that need none ($STEPS)"
 else
     say "GPU found (torch, CUDA: ${torch_state#* })"
 fi
@@ -242,9 +267,24 @@ bench_model "$first" 80
 for dt in $DTYPES; do
     [ "$dt" = "$first" ] || [ "$dt" = float16 ] || bench_model "$dt" 55
 done
+run_step fit_costs 30 "$PY" benchmarks/fit_batch_costs.py "$SCRATCH"/bench_model_*.json \
+    --json "$SCRATCH/fit_costs.json"
 # shellcheck disable=SC2086  # BENCH_FLAGS is a list of words
 run_step bench_throughput 150 "$PY" -m bicodec_shm bench --device cuda:0 $BENCH_FLAGS \
     --json "$SCRATCH/bench_throughput.json"
+if wanted bench_standin; then
+    fitted=$("$PY" benchmarks/fit_batch_costs.py --print-stand-in "$SCRATCH/fit_costs.json" 2>/dev/null)
+    if [ -z "$fitted" ] && [ -n "${DEVICE_CHECK_DRY_RUN:-}" ]; then
+        fitted="4,0.006,async"  # a dry run fitted nothing: the modern preset's costs stand in
+    fi
+    if [ -z "$fitted" ]; then
+        say "bench_standin: not run (no fitted costs in $SCRATCH/fit_costs.json: run fit_costs first)"
+    else
+        # shellcheck disable=SC2086  # STANDIN_FLAGS is a list of words
+        run_step bench_standin 75 "$PY" -m bicodec_shm bench --stand-in "$fitted" $STANDIN_FLAGS \
+            --json "$SCRATCH/bench_standin.json"
+    fi
+fi
 # SNAC 24 kHz (Orpheus): short, one shape pair; the batched rows against their lone decodes too.
 run_step bench_snac 40 "$PY" benchmarks/bench_snac_model.py --variant snac-24khz --device cuda:0 \
     --lengths 12,47 --batch-sizes 1,16 --repeats 3 --json "$SCRATCH/bench_snac.json"
@@ -302,6 +342,37 @@ try:
     print(json.dumps(bench.get("summary", bench.get("targets", "")), indent=1)[:3000])
 except (OSError, ValueError) as exc:
     print(f"\nno bench_throughput.json: {exc}")
+try:
+    fitted = json.load(open(os.path.join(out, "fit_costs.json")))
+    print(f"\n== batch cost fitted from bench_model's grid ({fitted.get('device')}): ms = a + b x rows x longest ==")
+    for f in fitted["fits"]:
+        print(f"  {f['dtype']:>8} graphs {'on ' if f['graphs'] else 'off'}: a = {f['a_ms']:.3f} ms, "
+              f"b = {f['b_ms'] * 1e3:.3f} us/token ({f['points']} shapes, largest error {f['max_rel_err']:.0%})")
+    print(f"  the stand-in run below plays {fitted['stand_in_for']}: --stand-in {fitted['stand_in']}")
+except (OSError, ValueError, KeyError) as exc:
+    print(f"\nno fit_costs.json: {exc}")
+
+
+def by_n(path):
+    """{N: [(system, req/s, avg batch)]} of a bench JSON."""
+    rows = {}
+    for r in json.load(open(path)).get("results", []):
+        rows.setdefault(r["n_clients"], []).append((r["system"], r["requests_per_s"], r["avg_batch_size"]))
+    return rows
+
+
+try:
+    stand = by_n(os.path.join(out, "bench_standin.json"))
+    try:
+        real = by_n(os.path.join(out, "bench_throughput.json"))
+    except (OSError, ValueError):
+        real = {}
+    print("\n== the real decoder next to the stand-in with its fitted costs (req/s, avg batch) ==")
+    for n in sorted(stand):
+        for system, rps, batch in real.get(n, []) + [(f"stand-in: {s}", r, b) for s, r, b in stand[n]]:
+            print(f"  N={n:<3} {system:<48} {rps:>9.1f} req/s  avg batch {batch or 0:.2f}")
+except (OSError, ValueError, KeyError) as exc:
+    print(f"\nno bench_standin.json: {exc}")
 try:
     dac = json.load(open(os.path.join(out, "bench_dac.json")))
     print("\n== bench_dac (dac-44khz, full size): see bench_dac.log for the table ==")

@@ -1,6 +1,7 @@
 """A closed-loop worker: sends one request, waits for its answer, sends the next, until its stdin
 closes. Prints "ready" once attached, and starts sending when it reads a line "go" (so that a
-test can start every worker's load at once). Usage: closed_loop_client.py NAME TOKENS"""
+test can start every worker's load at once). Usage: closed_loop_client.py NAME TOKENS [MAX_TOKENS]
+(with MAX_TOKENS, each request's length is drawn from TOKENS..MAX_TOKENS)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ import numpy as np
 from bicodec_shm.client.decoder_client import DecoderClient
 
 
-def main(name: str, tokens: int) -> None:
+def main(name: str, tokens: int, longest: int) -> None:
     stop = threading.Event()
-    rng = np.random.default_rng(tokens)
+    rng = np.random.default_rng([tokens, longest, threading.get_native_id()])
     with DecoderClient(name, connect_timeout=30) as client:
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             return
         threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
         while not stop.is_set():
-            client.decode(rng.integers(0, 8192, tokens), rng.integers(0, 4096, 32))
+            n = int(rng.integers(tokens, longest + 1))
+            client.decode(rng.integers(0, 8192, n), rng.integers(0, 4096, 32))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3] if len(sys.argv) > 3 else sys.argv[2]))

@@ -679,3 +679,22 @@ def test_every_benchmark_system_loads_its_model_with_the_servers_cuda_math(monke
     finally:
         (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
          torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved
+
+
+def test_dispatch_and_batching_values_become_shm_variants_with_lanes():
+    variants = cli.shm_variants([], cli._lane_counts("auto,2"), ("auto", "wait"), ("static",))
+    assert [v.label for v in variants] == [
+        "bicodec-shm (lanes=auto, dispatch=auto, batching=static)",
+        "bicodec-shm (lanes=auto, dispatch=wait, batching=static)",
+        "bicodec-shm (lanes=2, dispatch=auto, batching=static)",
+        "bicodec-shm (lanes=2, dispatch=wait, batching=static)"]  # fmt: skip
+    assert variants[3].server_options == {"lanes": 2, "dispatch": "wait", "batching": "static"}
+    assert variants[0].server_options == {"dispatch": "auto", "batching": "static"}
+    with pytest.raises(ValueError, match="not both"):
+        cli.shm_variants([("dispatch", "wait")], None, ("auto",))
+    with pytest.raises(argparse.ArgumentTypeError, match="auto, pipeline, wait"):
+        cli._policy_names(("auto", "pipeline", "wait"))("auto,sometimes")
+    assert cli._stand_in_costs("4,0.006,async") == (4.0, 0.006, True)
+    assert cli._stand_in_costs("4,0.006") == (4.0, 0.006, False)
+    with pytest.raises(argparse.ArgumentTypeError, match="A_MS,B_MS"):
+        cli._stand_in_costs("4,0.006,sync")

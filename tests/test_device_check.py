@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -22,8 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
-STEPS = ["env", "gpu_tests", "bench_model_float32", "bench_model_bfloat16", "bench_throughput",
-         "bench_snac", "bench_dac", "bench_model_float16"]  # fmt: skip
+STEPS = ["env", "gpu_tests", "bench_model_float32", "bench_model_bfloat16", "fit_costs", "bench_throughput",
+         "bench_standin", "bench_snac", "bench_dac", "bench_model_float16"]  # fmt: skip
 
 no_gpu = pytest.mark.skipif(
     torch.cuda.is_available() or shutil.which("nvidia-smi") is not None,
@@ -164,6 +165,13 @@ def test_dry_run_runs_every_step_with_valid_flags(tmp_path) -> None:
     args = _parser().parse_args(bench[bench.index("bicodec_shm") + 1 :])
     assert args.device == "cuda:0" and tuple(args.n) == (1, 4, 16, 32)
     assert args.per_process_max_n == 16 and args.memory_gib >= 100
+    fit = commands["fit_costs"]
+    assert fit[fit.index("benchmarks/fit_batch_costs.py") + 1 :] == [
+        f"{scratch}/bench_model_bfloat16.json", "--json", f"{scratch}/fit_costs.json"]
+    standin = commands["bench_standin"]
+    args = _parser().parse_args(standin[standin.index("bicodec_shm") + 1 :])
+    assert args.stand_in == (4.0, 0.006, True)  # the dry run fitted nothing: the modern preset
+    assert args.dispatch == ("auto", "pipeline", "wait") and args.max_batch_tokens == 2400
     dac = commands["bench_dac"]
     args = _parser().parse_args(dac[dac.index("bicodec_shm") + 1 :])
     assert (args.codec, args.device, tuple(args.n)) == ("dac-44khz", "cuda:0", (4, 16))
@@ -188,3 +196,69 @@ def test_the_gpu_marker_selects_the_cuda_tests_of_every_module() -> None:
     for name in ("test_cuda_two_lanes_share_the_graphs", "test_cuda_eager_decode_of_host_inputs",
                  "test_cuda_pipelined_lane_publishes", "test_cuda_a_runner_on_the_second_gpu"):  # fmt: skip
         assert any(name in line for line in selected), name
+
+
+@no_gpu
+def test_without_cuda_the_fit_and_the_fitted_stand_in_run_on_a_cpu(tmp_path) -> None:
+    """The steps that need no GPU, asked for by name, run for real: the fit of a bench_model
+    grid (here the tiny model's, on this CPU) and the stand-in bench with the fitted costs;
+    the summary prints both."""
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_model
+        import fit_batch_costs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    grid = ["--preset", "tiny", "--threads", "1", "--no-progress", "--no-quality", "--repeats", "1",
+            "--batch-sizes", "1,2,4", "--lengths", "10,20"]  # fmt: skip
+    assert bench_model.main([*grid, "--json", str(scratch / "bench_model_float32.json")]) == 0
+    quick = ("--n 2 --window 1 --repeats 1 --timeout 60 --systems shm --dispatch auto,pipeline "
+             "--no-plot --no-progress")
+    done = run_script(out, SCRATCH=str(scratch), STEPS="fit_costs bench_standin", STANDIN_FLAGS=quick)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no CUDA device: running only the steps that need none (fit_costs bench_standin)" in done.stdout
+    summary = (out / "summary.txt").read_text()
+    assert "fit_costs: rc=0" in summary and "bench_standin: rc=0" in summary, summary
+    fitted = json.loads((scratch / "fit_costs.json").read_text())
+    (fit,) = fitted["fits"]
+    assert (fit["dtype"], fit["graphs"], fit["points"]) == ("float32", False, 6)
+    assert fit["a_ms"] >= 0 and fit["b_ms"] > 0
+    assert fitted["stand_in"] == fit_batch_costs.stand_in_flag(fit)
+    assert "batch cost fitted from bench_model's grid" in summary
+    assert f"--stand-in {fitted['stand_in']}" in summary
+    stand = json.loads((scratch / "bench_standin.json").read_text())
+    assert stand["config"]["stand_in"]["a_ms"] == pytest.approx(fit["a_ms"], rel=1e-3)
+    assert stand["config"]["stand_in"]["asynchronous"] is True
+    systems = {r["system"] for r in stand["results"]}
+    assert {"bicodec-shm (dispatch=auto)", "bicodec-shm (dispatch=pipeline)"} <= systems
+    assert "N=2   stand-in: bicodec-shm (dispatch=auto)" in summary
+
+
+@no_gpu
+def test_without_cuda_a_gpu_step_among_the_asked_ones_skips_them_all(tmp_path) -> None:
+    done = run_script(tmp_path / "out", SCRATCH=str(tmp_path / "scratch"), STEPS="fit_costs gpu_tests")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "skipped: no CUDA device" in done.stdout and "fit_costs: start" not in done.stdout
+
+
+def test_the_fit_recovers_a_planted_line_and_says_how_well_it_holds() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fit_batch_costs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = [{"dtype": dt, "graphs": g, "graphed": True, "batch": b, "tokens": t,
+             "ms_batch": (a + k * b * t) * (1.1 if (b, t) == (32, 300) else 1.0)}
+            for dt, g, a, k in (("float32", False, 4.0, 0.006), ("bfloat16", True, 0.5, 0.002))
+            for b in (1, 2, 4, 8, 16, 32) for t in (25, 50, 100, 200, 300)]  # fmt: skip
+    rows.append({"dtype": "bfloat16", "graphs": True, "graphed": False, "batch": 64, "tokens": 300,
+                 "ms_batch": 1e6})  # no graph for this shape: left out  # fmt: skip
+    fits = {(f["dtype"], f["graphs"]): f for f in fit_batch_costs.fits(rows)}
+    f32, bf16 = fits["float32", False], fits["bfloat16", True]
+    assert f32["a_ms"] == pytest.approx(4.0, rel=0.02) and f32["b_ms"] == pytest.approx(0.006, rel=0.05)
+    assert bf16["points"] == 30 and bf16["a_ms"] == pytest.approx(0.5, rel=0.02)
+    assert 0.05 < f32["max_rel_err"] < 0.12  # the one shape 10 % off the line
+    assert fit_batch_costs.choose(list(fits.values()), "float32:off") is f32
+    assert fit_batch_costs.stand_in_flag({"a_ms": 4.0, "b_ms": 0.006}) == "4,0.006,async"

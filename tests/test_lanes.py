@@ -55,18 +55,23 @@ class FakeDecoder:
 
 class FakeEvent:
     """Stands in for ``torch.cuda.Event``: the events numbered in ``failing`` raise on
-    ``synchronize``, as a device error found at the host copy would."""
+    ``synchronize``, as a device error found at the host copy would. Each launch makes two, in
+    this order: the timing event before its first kernel (2k), then the one after its host copy
+    (2k + 1), which the lane waits on."""
 
     failing: set[int] = set()
     made = 0
 
-    def __init__(self) -> None:
+    def __init__(self, enable_timing: bool = False) -> None:
         self.fail = FakeEvent.made in FakeEvent.failing
         FakeEvent.made += 1
         self.stream = None
 
     def record(self, stream=None) -> None:
         self.stream = stream
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 1.5  # ms
 
     def synchronize(self) -> None:
         if self.fail:
@@ -90,7 +95,7 @@ def cuda_lane(monkeypatch):
         published: dict[int, np.ndarray] = {}
         failed: list[int] = []
 
-        def take(block: bool):
+        def take(block: bool, running=None):
             return queue.pop(0) if queue else STOP
 
         def publish(batch, decoded, ns):
@@ -126,7 +131,7 @@ def test_a_batch_that_fails_at_its_host_copy_is_retried_without_touching_the_nex
     """Batch k-1's device work fails (found at its event) while k is in flight; k-1's retry
     fails whole (call 2) and its halves run: none may land in k's pinned buffer."""
     lane, published, failed, _ = cuda_lane([make_batch([11, 12, 13]), make_batch([21, 22])], {2})
-    FakeEvent.failing = {0}
+    FakeEvent.failing = {1}  # the first launch's host-copy event
     lane.run()
     assert failed == []
     assert_published(published, [11, 12, 13, 21, 22])
@@ -137,7 +142,8 @@ def test_the_lane_sets_the_models_device_and_records_on_its_stream(cuda_lane):
     lane.run()
     assert_published(published, [11])
     assert streams[0] == ("set", torch.device("cpu"))  # before any launch, in the lane's thread
-    assert streams[1:] == [torch.device("cpu")]  # the event's stream: the model device's
+    # Both of the launch's events (its start and its end) on the model device's stream.
+    assert streams[1:] == [torch.device("cpu")] * 2
 
 
 def test_runner_keeps_two_pipelined_buffers_and_one_for_retries(monkeypatch):

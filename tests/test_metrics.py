@@ -303,7 +303,8 @@ def test_a_known_sequence_of_batches_gives_known_counters_and_buckets(thread_ser
     hold, bound = 1.05, "1.0"  # seconds held; the bucket bound that separates held from not
     decoder = SteppedDecoder()
     server = thread_server(decoder, max_batch=8, max_batch_tokens=None, min_fill=0.0, lanes=1,
-                           max_wait_ms=0, rejoin_ms=0, metrics_port=0, metrics_host="127.0.0.1")  # fmt: skip
+                           max_wait_ms=0, rejoin_ms=0, metrics_port=0, metrics_host="127.0.0.1",
+                           batching="static")  # fmt: skip
     lengths = {"a": 12, "b": 7, "c": 5, "d": 17, "e": 30, "f": 9}
     rng = np.random.default_rng(4)
     with DecoderClient(shm_name, slots=6) as client:

@@ -115,7 +115,7 @@ def test_mixed_lengths_in_one_batch_each_get_their_lone_decode(thread_server, sh
 
 def test_a_failing_request_fails_alone_after_split_and_retry(thread_server, shm_name):
     decoder = GatedDecoder()
-    server = thread_server(decoder, max_batch=8, min_fill=0.0, lanes=1)
+    server = thread_server(decoder, max_batch=8, min_fill=0.0, lanes=1, batching="static")
     reqs = _requests(3, 5)
     bad = (np.full(20, POISON), np.zeros(32, np.int64))
     with DecoderClient(shm_name, slots=6) as client:
@@ -292,7 +292,7 @@ def test_decoder_with_wrong_output_shape_fails_requests_not_the_server(thread_se
 
 def test_max_wait_window_grows_the_batch_without_spinning(thread_server, shm_name):
     decoder = PoisonDecoder()
-    thread_server(decoder, max_batch=4, max_wait_ms=1000, min_fill=0.0)
+    thread_server(decoder, max_batch=4, max_wait_ms=1000, min_fill=0.0, batching="static")
     reqs = _requests(8, 3)
     with DecoderClient(shm_name, slots=3) as client:
         results = [None] * 3

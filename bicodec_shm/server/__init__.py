@@ -4,7 +4,12 @@ requests.
     server.py       ``DecoderServer``: the lanes' dispatcher, publishing, reaping, lifecycle
     lanes.py        decode lanes: run a planned batch on the device, convert, copy back
     lane_tuner.py   how many lanes (and threads each), measured on the live traffic
+    lane_control.py which lanes take batches now, and each one's threads (the tuner applied)
     batching.py     which ready requests go together: length classes and the token budget
+    batch_costs.py  what a batch costs, fitted on the server's own batches; batch only where it pays
+    dispatch_policy.py  plan the next batch now, or wait for the running batch's clients: measured
+    counters.py     the live counters and histograms in the segment header
+    reaping.py      reclaiming the slots of clients that are gone
     adapters.py     the codec seam: a batch of requests -> the decoder's tensors and back
     metrics.py      the Prometheus endpoint over the segment's live counters
     signals.py      SIGINT and SIGTERM as a graceful stop

@@ -32,6 +32,28 @@ from ..codecs.layout import BICODEC, CodecLayout
 from ..protocol.slot_io import Batch
 
 
+class Detokenizer(Protocol):
+    """What the server needs from a decoder (``BiCodecDecoder`` or a test double)."""
+
+    def detokenize(
+        self, semantic_ids: torch.Tensor, global_ids: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """(B, T) int64, (B, 32) int64, (B,) int64 host tensors -> (B, 320·T) float."""
+        ...
+
+
+def device_of(decoder: object) -> torch.device:
+    """Where ``decoder``'s batches go: its ``device``, else its first parameter's, else the CPU."""
+    device = getattr(decoder, "device", None)
+    if device is not None:
+        return torch.device(device)
+    parameters = getattr(decoder, "parameters", None)
+    if callable(parameters):
+        for p in parameters():
+            return p.device
+    return torch.device("cpu")
+
+
 class CodecAdapter(Protocol):
     layout: CodecLayout
 

@@ -14,9 +14,14 @@ The rules (shared/docs/design.md, "Batching policy"):
   shortest row must be at least ``min_fill`` x the longest, so no row is padded to more than
   1/min_fill of its length. A single request always fits, whatever its length, so an
   over-budget request is decoded alone rather than refused.
+- Where the server measures what a batch costs (batch_costs.py), a row also joins only if
+  ``joins(rows, longest, length)`` says the batch with it costs less than the batch without it
+  and the row decoded alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -57,12 +62,15 @@ def plan_batch(
     max_batch: int,
     max_batch_tokens: int | None,
     min_fill: float = 0.0,
+    joins: Callable[[int, int, int], bool] | None = None,
 ) -> np.ndarray:
     """Choose the next batch among ready requests; the rest wait for the next round.
 
     Args:
         lengths: (R,) tokens of each ready request.
         submitted_ns: (R,) submit times; the oldest request always goes first.
+        joins: ``joins(rows, longest, length)``: may a row of ``length`` tokens join a batch of
+            ``rows`` rows whose longest has ``longest`` tokens (None: every row that fits may)?
     Returns:
         (B,) indices into the arrays, 1 <= B <= R when R > 0, longest first.
     """
@@ -71,7 +79,8 @@ def plan_batch(
         return np.zeros(n, np.int64)
     longest, shortest = int(lengths.max()), int(lengths.min())
     if (
-        n <= max_batch
+        joins is None
+        and n <= max_batch
         and (max_batch_tokens is None or n * longest <= max_batch_tokens)
         and shortest >= min_fill * longest
     ):
@@ -91,6 +100,8 @@ def plan_batch(
         if max_batch_tokens is not None and (len(chosen) + 1) * new_longest > max_batch_tokens:
             continue  # a shorter one further down the list may still fit
         if new_shortest < min_fill * new_longest:
+            continue
+        if joins is not None and not joins(len(chosen), longest, length):
             continue
         chosen.append(j)
         longest, shortest = new_longest, new_shortest

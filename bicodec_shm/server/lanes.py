@@ -50,12 +50,19 @@ log = logging.getLogger("bicodec_shm.server")
 @dataclass
 class Decoded:
     """A batch's audio on the host, ready to publish: ``pcm16`` (B16, N) int16 for the rows
-    ``rows16``, ``pcm32`` (B32, N) float32 for the rows ``rows32`` (indices into the batch)."""
+    ``rows16``, ``pcm32`` (B32, N) float32 for the rows ``rows32`` (indices into the batch).
+
+    ``device_ns``: what the batch cost the device (a CUDA or stand-in batch's own time on its
+    timeline; a synchronous decode and its conversion), None if unknown; ``launch_ns``: the
+    host's time to launch an asynchronous batch (None for a synchronous one, whose launch is
+    its decode). The server fits its batch costs and dispatch policy on them."""
 
     pcm16: np.ndarray | None
     rows16: np.ndarray
     pcm32: np.ndarray | None
     rows32: np.ndarray
+    device_ns: int | None = None
+    launch_ns: int | None = None
 
 
 class _InFlight:
@@ -66,10 +73,12 @@ class _InFlight:
     conversion of a host output, which cannot start before then); None if ``decoded`` is it."""
 
     def __init__(self, batch: Batch, decoded: Decoded | None, t0: int, event: Any = None,
-                 finish: Callable[[], Decoded] | None = None) -> None:  # fmt: skip
+                 finish: Callable[[], Decoded] | None = None, started: Any = None) -> None:  # fmt: skip
         self.batch, self.decoded, self.event = batch, decoded, event
         self._finish = finish
+        self._started = started  # CUDA: a timing event recorded before the batch's first kernel
         self.t0 = t0  # perf_counter_ns at launch
+        self.launch_ns = time.perf_counter_ns() - t0 if event is not None else None
 
     def wait(self) -> Decoded:
         """The batch's audio on the host (waited for; called once)."""
@@ -77,7 +86,19 @@ class _InFlight:
             self.event.synchronize()  # the host copy has landed, or the host output is written
         if self._finish is not None:
             self.decoded, self._finish = self._finish(), None
+        if self.event is not None:
+            self.decoded.device_ns = _device_ns(self.event, self._started)
+            self.decoded.launch_ns = self.launch_ns
         return self.decoded
+
+
+def _device_ns(event: Any, started: Any) -> int | None:
+    """A completed batch's own time on its device: between two CUDA timing events, or what an
+    asynchronous decoder's event says (``device_seconds``; the stand-in's); None if neither."""
+    if started is not None:
+        return int(started.elapsed_time(event) * 1e6)  # ms between the events, on the device
+    seconds = getattr(event, "device_seconds", None)
+    return None if seconds is None else int(seconds * 1e9)
 
 
 _ALL = np.arange(256)  # row indices, made once
@@ -126,7 +147,10 @@ class Runner:
         t0 = time.perf_counter_ns()
         b, t = batch.semantic.shape
         n = t * self._spf
-        event = None
+        event = started = None
+        if self.cuda:  # times the batch on the device: from before its first kernel to its copies
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(torch.cuda.current_stream(self.device))
         if self.asynchronous:
             out, event = self.adapter.launch(batch)
         else:
@@ -157,7 +181,9 @@ class Runner:
                 return Decoded(host16, rows16, host32, rows32)
 
             if event is None:  # a synchronous decoder: its output is complete now
-                return _InFlight(batch, convert(), t0)
+                decoded = convert()
+                decoded.device_ns = time.perf_counter_ns() - t0  # the decode and its conversion
+                return _InFlight(batch, decoded, t0)
             return _InFlight(batch, None, t0, event, finish=convert)  # complete once the event is
         out = out[:, :n].float()
         dev16 = dev32 = None
@@ -171,9 +197,9 @@ class Runner:
         host32 = None if dev32 is None else self._to_pinned(pinned, dev32)
         # On the stream the copies were queued on: the model's GPU's current stream (a bare
         # record() would use the current device's, which guards nothing on another GPU).
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
-        return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event)
+        return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event, started=started)
 
     def _to_int16(self, audio: np.ndarray, buffers: dict[type, np.ndarray]) -> np.ndarray:
         """The int16 conversion of ``audio`` (B, N) float32 into ``buffers`` (one launch's
@@ -214,6 +240,7 @@ class Runner:
 
 
 STOP = object()  # what ``take`` returns once the server is stopping
+WAIT = object()  # what ``take`` returns to a pipelined lane that should let its running batch end first
 
 _local = threading.local()  # the calling lane's intra-op thread count
 
@@ -234,8 +261,10 @@ class Lane:
     Args:
         index: the lane's number (for logs and host-gap accounting).
         runner: runs a batch on the device.
-        take: ``take(block)`` -> the next ``Batch``; None if ``block`` is False and nothing
-            is ready; ``STOP`` once the server is stopping.
+        take: ``take(block, running)`` -> the next ``Batch``; None if ``block`` is False and
+            nothing is ready; ``STOP`` once the server is stopping; ``WAIT`` if the lane should
+            first let ``running`` (its batch in flight, or None) end and its clients come back
+            (dispatch_policy.py).
         publish: writes a decoded batch into its slots (``(batch, decoded, ns) -> None``).
         fail: answers one row with an error (``(batch, row, message) -> None``).
         started: called with (batch, lane index) when the lane starts a batch.
@@ -248,7 +277,7 @@ class Lane:
     """
 
     def __init__(self, index: int, runner: Runner, *,
-                 take: Callable[[bool], Any],
+                 take: Callable[..., Any],
                  publish: Callable[[Batch, Decoded, int], None],
                  fail: Callable[[Batch, int, str], None],
                  started: Callable[[Batch, int], None],
@@ -303,7 +332,13 @@ class Lane:
     def _run_pipelined(self) -> None:
         prev: _InFlight | None = None
         while True:
-            batch = self._take(prev is None)  # with a batch in flight: only what is ready now
+            # With a batch in flight: only what is ready now, or WAIT (let it end first).
+            batch = self._take(prev is None, None if prev is None else prev.batch)
+            if batch is WAIT:
+                if prev is not None:
+                    self._complete(prev)
+                    prev = None
+                continue
             current = None
             if batch is not None and batch is not STOP:
                 self._on_start(batch, self.index)

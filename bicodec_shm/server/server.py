@@ -27,14 +27,13 @@ restart loses nothing), unlinks everything and releases the name.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import posix_ipc
@@ -43,63 +42,41 @@ import torch
 from ..errors import BiCodecShmError, ServerUnavailableError
 from ..model.devices import exact_cuda_math
 from ..protocol.layout import (
-    C_FAILED,
-    C_HOST_GAP,
-    C_RECLAIMED,
-    C_REQUESTS,
     CLAIMED,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODE,
     DEFAULT_SLOTS,
     DEFAULT_START_WAIT,
     DONE,
-    FREE,
-    HIST_BINS,
-    N_STATUS,
-    N_TIME_BINS,
     NO_BELL,
     READY,
-    TIME_BUCKETS,
     Phase,
     Status,
 )
 from ..protocol.names import validate_name
 from ..protocol.segment import Segment, drain
 from ..protocol.slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
-from .adapters import codec_adapter
+from .adapters import Detokenizer, codec_adapter, device_of
+from .batch_costs import BATCHING_MODES, BatchPlanner
 from .batching import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_WAIT_MS,
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
     default_max_batch_tokens,
-    plan_batch,
 )
-from .lane_tuner import BatchMeter, LaneTuner, LaneTuning
-from .lanes import STOP, Decoded, Lane, Runner, lane_threads
+from .counters import Counters
+from .dispatch_policy import DispatchPolicy
+from .lane_control import LaneControl
+from .lane_tuner import LaneTuning
+from .lanes import STOP, WAIT, Decoded, Lane, Runner, lane_threads
+from .reaping import reap_dead_owners
 from .signals import on_stop_signals
 
 log = logging.getLogger("bicodec_shm.server")
 
 DEFAULT_REAP_INTERVAL = 0.25  # seconds; a dead client's slots come back within about this
-# Lanes on CPU: the server measures which count serves best (lane_tuner.py) among these, up to
-# the cores it has, starting from DEFAULT_CPU_LANES. More than 4 is left to --lanes: each lane
-# holds a batch's activations of its own.
-CPU_LANE_CANDIDATES = (1, 2, 4)
-DEFAULT_CPU_LANES = 2
 _COMING_BACK = frozenset((CLAIMED, DONE))  # an answered slot whose client may send again
-_BUCKETS = [int(b * 1e9) for b in TIME_BUCKETS]  # upper bounds, ns; bisect_left: "le" bins
-_BUCKETS_NS = np.array(_BUCKETS, np.int64)
-
-
-class Detokenizer(Protocol):
-    """What the server needs from a decoder (``BiCodecDecoder`` or a test double)."""
-
-    def detokenize(
-        self, semantic_ids: torch.Tensor, global_ids: torch.Tensor, lengths: torch.Tensor
-    ) -> torch.Tensor:
-        """(B, T) int64, (B, 32) int64, (B,) int64 host tensors -> (B, 320·T) float."""
-        ...
 
 
 class DecoderServer:
@@ -113,7 +90,8 @@ class DecoderServer:
         max_batch: most rows in one forward pass.
         max_wait_ms: how long a batch may wait to grow once a lane is free (0: go at once).
         rejoin_ms: how long a free lane waits for the clients it has just answered to send their
-            next request (it stops as soon as they have; 0: never waits).
+            next request (it stops as soon as they have; longer where they measure to take
+            longer, up to 25 ms: dispatch_policy.py; 0: never waits).
         max_batch_tokens: padded-token budget per batch (rows x longest length), or None;
             "auto": 512 on CPU, 2400 on CUDA (batching.py says why).
         min_fill: a row joins a batch only if the batch's shortest row stays at least this
@@ -125,6 +103,11 @@ class DecoderServer:
             1 on CUDA; on a CPU with 2+ cores, chosen while serving among 1, 2 and 4 lanes
             (up to the cores) by measuring each on the live traffic (lane_tuner.py).
         lane_tuning: the measuring's knobs (``LaneTuning``) when ``lanes`` is None on a CPU.
+        batching: "auto": batch only where the batches measured so far say it pays
+            (batch_costs.py), within the bounds above; "static": every row the bounds admit.
+        dispatch: "auto": plan the next batch now or wait for the clients of the running one,
+            whichever the measured costs and turnaround say serves more (dispatch_policy.py);
+            "pipeline" or "wait" fixes it.
         start_wait: seconds to wait for a server that is stopping under the same name.
         metrics_port: serve Prometheus metrics on this TCP port (0: any free port; None: off).
             Needs the ``[metrics]`` extra (prometheus_client).
@@ -156,6 +139,8 @@ class DecoderServer:
         reap_interval: float = DEFAULT_REAP_INTERVAL,
         lanes: int | None = None,
         lane_tuning: LaneTuning | None = None,
+        batching: str = "auto",
+        dispatch: str = "auto",
         start_wait: float = DEFAULT_START_WAIT,
         metrics_port: int | None = None,
         metrics_host: str = "0.0.0.0",
@@ -163,7 +148,7 @@ class DecoderServer:
     ) -> None:
         validate_name(name)
         if max_batch_tokens == "auto":
-            max_batch_tokens = default_max_batch_tokens(_device_of(decoder).type)
+            max_batch_tokens = default_max_batch_tokens(device_of(decoder).type)
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_ms < 0:
@@ -176,6 +161,8 @@ class DecoderServer:
             raise ValueError(f"min_fill must be in [0, 1], got {min_fill}")
         if lanes is not None and not 1 <= lanes <= 64:
             raise ValueError(f"lanes must be in 1..64, got {lanes}")
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
         self.decoder = decoder
         self.name = name
         self.max_batch = max_batch
@@ -184,26 +171,22 @@ class DecoderServer:
         self.max_batch_tokens = max_batch_tokens
         self.min_fill = min_fill
         self.reap_interval = reap_interval
-        self.device = _device_of(decoder)
+        self.device = device_of(decoder)
         cuda = self.device.type == "cuda"
         if cuda:
             exact_cuda_math()  # no TF32, deterministic cuDNN: batched rows stay exact
-        self._cores = torch.get_num_threads()
-        candidates = [c for c in CPU_LANE_CANDIDATES if c <= self._cores]
-        self._tuner: LaneTuner | None = None
         # A decoder that plays a device (the bench's stand-in) is served as a GPU is: one lane
         # by default, not tuned; pipelined if it launches asynchronously (lanes.Runner).
         device_like = cuda or bool(getattr(decoder, "device_shaped", False))
-        if lanes is None and not device_like and len(candidates) > 1:
-            start = min(DEFAULT_CPU_LANES, candidates[-1])
-            self._tuner = LaneTuner(candidates, start, lane_tuning)
-            lanes = start
-        self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
-        self.max_lanes = candidates[-1] if self._tuner else self.lanes  # lane threads started
-        self._turns = threading.Condition()  # parked lanes wait here for their turn
-        self._tuner_lock = threading.Lock()
-        self._meter = BatchMeter()  # each batch's share of the time some lane was decoding
         self._pipeline = cuda or bool(getattr(decoder, "asynchronous", False))
+        self._lanes = LaneControl(lanes, cores=torch.get_num_threads(), tunable=not device_like,
+                                  pipelined=self._pipeline, tuning=lane_tuning,
+                                  on_change=self._show_lanes)  # fmt: skip
+        self.max_lanes = self._lanes.max_lanes  # lane threads started
+        self._planner = BatchPlanner(max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                                     min_fill=min_fill, measured=batching == "auto",
+                                     prior_batches=device_like)  # fmt: skip
+        self._policy = DispatchPolicy(dispatch, rejoin_ms=rejoin_ms, pipelined=self._pipeline)
         self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
         self.semantic_vocab = self.codec.level_vocab[0]
         self.global_vocab = self.codec.global_vocab
@@ -217,7 +200,7 @@ class DecoderServer:
         # new one for every confirmation: a slot held again, by another lane, is told apart).
         self._held: dict[int, int] = {}
         self._held_lock = threading.Lock()
-        self._counters_lock = threading.Lock()
+        self._counters = Counters()
         # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
         # order goes by this, not by a time the client wrote.
         self._confirmed: dict[int, int] = {}
@@ -226,7 +209,7 @@ class DecoderServer:
         # (a wake-up of the fill window costs no concatenation). Rows of slots no longer
         # confirmed are dropped lazily.
         self._checked: list[Requests] = []
-        self._answered: set[int] = set()  # slots answered since the last batch was planned
+        self._answered: dict[int, int] = {}  # slot -> its length: answered since the last plan
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
         self._reap_asked = 0  # the header's ``slot_wanted`` when the reaper last ran (a hint)
@@ -251,11 +234,11 @@ class DecoderServer:
                 self.metrics = MetricsExporter(self._segment, port=metrics_port, host=metrics_host)
             log.info(
                 "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
-                "max_batch_tokens=%s, min_fill=%g, device=%s, lanes=%d%s (threads each: %s), mode=%o, "
-                "segment %.1f MiB",
+                "max_batch_tokens=%s, min_fill=%g, batching=%s, dispatch=%s, device=%s, lanes=%d%s "
+                "(threads each: %s), mode=%o, segment %.1f MiB",
                 name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
-                max_batch_tokens, min_fill, self.device, self.lanes,
-                f" to start, measuring {self._tuner.candidates}" if self._tuner else "",
+                max_batch_tokens, min_fill, batching, dispatch, self.device, self.lanes,
+                f" to start, measuring {self._lanes.tuner.candidates}" if self._lanes.tuner else "",
                 self.threads_per_lane, mode,
                 self._segment.layout.total_size / 2**20,
             )  # fmt: skip
@@ -264,14 +247,29 @@ class DecoderServer:
             raise
 
     @property
+    def lanes(self) -> int:
+        """The lanes taking batches now (the lane tuner may change it: lane_control.py)."""
+        return self._lanes.lanes
+
+    @property
     def threads_per_lane(self) -> int | None:
         """Each CPU lane's share of the cores now (None on CUDA: the host threads only launch)."""
-        return None if self._pipeline else max(1, self._cores // self.lanes)
+        return self._lanes.threads_per_lane
 
     @property
     def lane_choices(self) -> list:
         """Every lane-count decision so far (``lane_tuner.Choice``; empty with fixed lanes)."""
-        return list(self._tuner.history) if self._tuner else []
+        return list(self._lanes.tuner.history) if self._lanes.tuner else []
+
+    @property
+    def batching_choices(self) -> list:
+        """Every change of the measured batching verdict (``batch_costs.BatchingChoice``)."""
+        return list(self._planner.costs.history)
+
+    @property
+    def dispatch_choices(self) -> list:
+        """Every change of the prevailing dispatch choice (``dispatch_policy.DispatchChoice``)."""
+        return list(self._policy.history)
 
     @property
     def segment(self) -> Segment:
@@ -293,7 +291,7 @@ class DecoderServer:
                  fail=self._fail_row,
                  started=self._lane_started, finished=self._lane_finished,
                  threads=self.threads_per_lane, pipeline=self._pipeline,
-                 turn=self._turn if self._tuner else None)
+                 turn=self._turn if self._lanes.tuner else None)
             for i in range(self.max_lanes)
         ]  # fmt: skip
         threads: list[threading.Thread] = []
@@ -383,40 +381,31 @@ class DecoderServer:
 
     # -- dispatching ------------------------------------------------------------------------
 
-    def _take(self, block: bool) -> Batch | object | None:
+    def _take(self, block: bool, running: Batch | None = None) -> Batch | object | None:
         """The next batch for a free lane (see ``Lane``): ``STOP`` once stopping; None if
-        ``block`` is False and nothing is ready."""
+        ``block`` is False and nothing is ready; ``WAIT`` if the dispatch policy would rather
+        let ``running`` (the lane's batch in flight) end and its clients come back first."""
         with self._dispatch:
             if self._stop.is_set():
                 return STOP
-            batch = self._next_batch(block)
+            batch = self._next_batch(block, running)
             return STOP if batch is None and self._stop.is_set() else batch
 
     def _turn(self, lane: int) -> int | None:
         """Block while ``lane`` is parked (the tuner runs fewer lanes); then its thread count
         for the next batch, or None once the server is stopping."""
-        with self._turns:
-            parked = False
-            while lane >= self.lanes and not self._stop.is_set():
-                parked = True
-                self._turns.wait(self.reap_interval)
-            if self._stop.is_set():
-                return None
-            if parked:  # parked is not idle: its gap to the next batch is not the host's
-                self._lane_idle_since[lane] = time.monotonic_ns()
-            return self.threads_per_lane
+        threads, parked = self._lanes.turn(lane, self._stop, self.reap_interval)
+        if parked:  # parked is not idle: its gap to the next batch is not the host's
+            self._lane_idle_since[lane] = time.monotonic_ns()
+        return threads
 
-    def _apply_lanes(self, lanes: int) -> None:
-        """Run ``lanes`` lanes from their next batch on (the tuner's choice)."""
-        with self._turns:
-            self.lanes = lanes
-            self._turns.notify_all()
+    def _show_lanes(self, lanes: int) -> None:
         seg = self._segment
         if seg is not None and seg.header is not None:
             seg.header["lanes"] = lanes  # stats and metrics show the lanes running now
 
-    def _next_batch(self, block: bool) -> Batch | None:
-        """Wait for ready requests; plan, gather and hold the next batch."""
+    def _next_batch(self, block: bool, running: Batch | None = None) -> Batch | object | None:
+        """Wait for ready requests; plan, gather and hold the next batch (or ``WAIT``)."""
         seg = self.segment
         while not self._stop.is_set():
             self._reap_if_due()
@@ -430,16 +419,23 @@ class DecoderServer:
                     continue
                 self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
                 continue
-            if self.rejoin_ms > 0 and waiting < self.max_batch:
-                waiting = self._let_answered_clients_rejoin(seg, waiting)
+            # A pipelined lane waits for the clients of the batch before the running one while
+            # that runs (the device is busy); a sequential lane only where the policy says.
+            if self.rejoin_ms > 0 and waiting < self.max_batch and (self._pipeline or self._rejoin_pays(seg)):
+                # While a batch runs, no longer than rejoin_ms: the device must not wait for it.
+                window = self.rejoin_ms if running is not None else self._policy.wait_window_ms()
+                waiting = self._let_answered_clients_rejoin(seg, waiting, window)
             if self.max_wait_ms > 0 and waiting < self.max_batch:
                 waiting = self._let_batch_grow(seg, waiting)
             if not waiting:  # every one left while we waited (reaped, say): look again
                 continue
+            t0 = time.perf_counter_ns()
             ready = self._ready_requests()
+            key = self._cost_key()
+            if running is not None and self._wants_wait(ready, running.lengths.tolist(), key):
+                return WAIT
             self._answered.clear()
-            chosen = plan_batch(ready.lengths, ready.seen_ns, max_batch=self.max_batch,
-                                max_batch_tokens=self.max_batch_tokens, min_fill=self.min_fill)  # fmt: skip
+            chosen = self._planner.plan(ready.lengths, ready.seen_ns, key=key, max_rows=self._share(waiting))
             req = ready.take(chosen)
             chosen_slots = req.slots.tolist()
             for slot in chosen_slots:
@@ -450,9 +446,33 @@ class DecoderServer:
                                      global_vocab=self.global_vocab)  # fmt: skip
             for slot, status, message in failures:
                 self._answer_failure(slot, status, message, req)
+            self._policy.host_step("plan", time.perf_counter_ns() - t0)
             if batch is not None:
                 return batch
         return None
+
+    def _cost_key(self) -> int | None:
+        """Whose batch costs apply: the device's (None), or the calling CPU lane's thread count."""
+        return None if self._pipeline else lane_threads()
+
+    def _share(self, waiting: int) -> int | None:
+        """A CPU lane's share of what waits, so that free lanes run in parallel (None: all)."""
+        if self._pipeline or self.lanes < 2:
+            return None
+        return -(-waiting // max(1, self.lanes - self._counters.busy_lanes))
+
+    def _wants_wait(self, ready: Requests, coming: list[int], key: int | None) -> bool:
+        fit = self._planner.costs.fit(key)
+        def predict(lengths: np.ndarray, seen: np.ndarray) -> np.ndarray:
+            return self._planner.predict(lengths, seen, fit=fit, key=key)
+
+        return self._policy.should_wait(ready.lengths, ready.seen_ns, coming, fit, predict)
+
+    def _rejoin_pays(self, seg: Segment) -> bool:
+        """A sequential lane: wait for the clients just answered (``_answered``)?"""
+        states = seg.field["state"]
+        coming = [n for slot, n in list(self._answered.items()) if int(states[slot]) in _COMING_BACK]
+        return bool(coming) and self._wants_wait(self._ready_requests(), coming, self._cost_key())
 
     def _ready_requests(self) -> Requests:
         """The confirmed requests found by ``_scan``, validated, as one ``Requests``."""
@@ -493,11 +513,12 @@ class DecoderServer:
                     confirmed.pop(slot, None)  # not READY after all, or answered above
             if len(requests):
                 chunks = [*chunks, requests]
+                self._policy.came_back(requests.slots, requests.submitted_ns)
         self._checked = chunks
         return sum(map(len, chunks))
 
-    def _let_answered_clients_rejoin(self, seg: Segment, waiting: int) -> int:
-        """Wait up to rejoin_ms for the clients answered since the last batch was planned to
+    def _let_answered_clients_rejoin(self, seg: Segment, waiting: int, window_ms: float) -> int:
+        """Wait up to ``window_ms`` for the clients answered since the last batch was planned to
         send their next request, so that a busy client does not miss every other batch.
 
         Waits only for slots that are still owned and not READY again (CLAIMED or DONE): a
@@ -509,7 +530,7 @@ class DecoderServer:
             # A Python loop: np.isin costs ~40 us per call, a few slots here cost ~1 us.
             return any(int(states[slot]) in _COMING_BACK for slot in list(self._answered))
 
-        return self._wait_for_more(seg, waiting, self.rejoin_ms, keep_waiting=someone_may_come_back)
+        return self._wait_for_more(seg, waiting, window_ms, keep_waiting=someone_may_come_back)
 
     def _let_batch_grow(self, seg: Segment, waiting: int) -> int:
         """Wait up to max_wait_ms for more requests."""
@@ -547,6 +568,7 @@ class DecoderServer:
         others waiting for answers that never come."""
         seg = self.segment
         req = batch.requests
+        t0 = time.perf_counter_ns()
         try:
             done_ns = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
         except Exception as exc:
@@ -561,42 +583,26 @@ class DecoderServer:
             log.exception("counting a batch of %d failed (its answers are unaffected)", len(req))
         finally:
             answered = req.slots.tolist()
-            self._answered.update(answered)
+            self._answered.update(zip(answered, req.lengths.tolist()))
             self._release_and_ring(answered, req.notify.tolist())
+            self._policy.answered(answered, time.monotonic_ns())
+            self._policy.host_step("publish", time.perf_counter_ns() - t0)
+        try:  # after the posts: a refit of the costs (~1 ms) delays no answer
+            self._measure_costs(batch, decoded)
+        except Exception:
+            log.exception("measuring a batch of %d failed (its answers are unaffected)", len(req))
+
+    def _measure_costs(self, batch: Batch, decoded: Decoded) -> None:
+        """Feed the batch cost fit (batch_costs.py) and the host's launch time (dispatch_policy.py)."""
+        req = batch.requests
+        if decoded.device_ns:
+            self._planner.costs.add(self._cost_key(), len(req), int(batch.semantic.shape[1]),
+                                    int(req.lengths.sum()), decoded.device_ns)  # fmt: skip
+        if decoded.launch_ns is not None:
+            self._policy.host_step("launch", decoded.launch_ns)
 
     def _count_batch(self, batch: Batch, done_ns: int, elapsed_ns: int) -> None:
-        """Add one published batch to the live counters and histograms. Every time here is a
-        server-side int64: submit times were clamped to when the server saw them (slot_io)."""
-        seg = self.segment
-        req = batch.requests
-        rows, longest = len(req), int(batch.semantic.shape[1])
-        elapsed_ns = max(0, int(elapsed_ns))
-        if rows == 1:  # Python scalars: the common case at low load
-            submitted = int(req.submitted_ns[0])
-            queued, latency = max(0, batch.started_ns - submitted), max(0, done_ns - submitted)
-            tokens, queued_sum, latency_sum = int(req.lengths[0]), queued, latency
-            bins = [bisect.bisect_left(_BUCKETS, queued), N_TIME_BINS + bisect.bisect_left(_BUCKETS, latency)]
-        else:
-            submitted_ns = req.submitted_ns
-            queued_ns = (batch.started_ns - submitted_ns).clip(0)
-            latency_ns = (done_ns - submitted_ns).clip(0)
-            tokens = int(req.lengths.sum())
-            queued_sum, latency_sum = int(queued_ns.sum()), int(latency_ns.sum())
-            bins = np.concatenate((np.searchsorted(_BUCKETS_NS, queued_ns),
-                                   np.searchsorted(_BUCKETS_NS, latency_ns) + N_TIME_BINS)).tolist()
-        bins.append(2 * N_TIME_BINS + bisect.bisect_left(_BUCKETS, elapsed_ns))
-        # Every counter of the batch in one add (C_* order).
-        delta = np.array([rows, 1, 0, 0, tokens, rows * longest, queued_sum, elapsed_ns, latency_sum,
-                          0, elapsed_ns], np.uint64)  # fmt: skip
-        with self._counters_lock:
-            seg.counters += delta
-            h = seg.histograms
-            if rows == 1:
-                for i in bins:
-                    h[i] += 1
-            else:
-                h += np.bincount(bins, minlength=3 * N_TIME_BINS).astype(np.uint64)
-            seg.header["batch_hist"][min(rows, HIST_BINS - 1)] += 1
+        self._counters.count_batch(self.segment, batch, done_ns, elapsed_ns)
 
     def _release_and_ring(self, slots: list[int], bells: list[int]) -> None:
         """The last step of answering: the slots leave the held set, then their posts go out.
@@ -629,10 +635,7 @@ class DecoderServer:
         bell = NO_BELL
         try:
             bell = publish_failure(seg, slot, status, message, ids=ids, notify=notify)
-            with self._counters_lock:
-                seg.counters[C_REQUESTS] += 1
-                seg.counters[C_FAILED] += 1
-                seg.header["failed_by_status"][min(int(status), N_STATUS - 1)] += 1
+            self._counters.count_failure(seg, status)
         finally:
             self._release_and_ring([slot], [bell])
 
@@ -641,16 +644,14 @@ class DecoderServer:
         # The lane sat idle while this batch's first request was already waiting: time the
         # device waited for the host (gathering, planning, publishing, Python).
         waited_since = max(self._lane_idle_since[lane], int(batch.requests.submitted_ns.min()))
-        with self._counters_lock:
-            seg = self.segment
-            seg.counters[C_HOST_GAP] += max(0, now - waited_since)
-            seg.header["busy_lanes"] += 1
-        if self._tuner is not None:
-            self._meter.begin(id(batch))
+        self._counters.lane_started(self.segment, now - waited_since)
+        self._lanes.begin(batch)
 
     def _lane_finished(self, batch: Batch, lane: int) -> None:
-        if self._tuner is not None:
-            self._measure(batch)
+        try:
+            self._lanes.end(batch, settled=self._planner.settled)
+        except Exception:
+            log.exception("measuring a batch of %d failed (its answers are unaffected)", len(batch.requests))
         self._lane_idle_since[lane] = time.monotonic_ns()
         with self._held_lock:  # normally done already, when each row was answered
             # Only the rows this batch still holds: a row answered already may be held again,
@@ -658,24 +659,7 @@ class DecoderServer:
             for slot, seen in zip(batch.slots.tolist(), batch.requests.seen_ns.tolist()):
                 if self._held.get(slot) == seen:
                     del self._held[slot]
-        with self._counters_lock:
-            self.segment.header["busy_lanes"] -= 1
-
-    def _measure(self, batch: Batch) -> None:
-        """Give the tuner a finished batch (in its lane's thread) and apply its choice."""
-        req = batch.requests
-        try:
-            sample = self._meter.end(id(batch), planned_ns=batch.started_ns, tokens=int(req.lengths.sum()),
-                                     rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]))
-            # Only a batch decoded with the thread count of the arrangement being measured: right
-            # after a switch, a lane being parked may still finish one with its old count.
-            if sample is not None and lane_threads() == max(1, self._cores // self._tuner.lanes):
-                with self._tuner_lock:
-                    choice = self._tuner.observe(sample)
-                if choice is not None:
-                    self._apply_lanes(choice.lanes)
-        except Exception:
-            log.exception("measuring a batch of %d failed (its answers are unaffected)", len(req))
+        self._counters.lane_finished(self.segment)
 
     # -- reaping ----------------------------------------------------------------------------
 
@@ -699,52 +683,13 @@ class DecoderServer:
         return int(seg.header["slot_wanted"])
 
     def reap(self, *, asked: bool = False) -> int:
-        """Reclaim slots whose owner died; returns how many were reclaimed.
+        """Reclaim slots whose owner died (reaping.py); returns how many were reclaimed.
 
         ``asked``: a claimer asked for a slot. What such a reap frees is mostly idle handles'
-        warm slots, routine under many handles: counted, logged at DEBUG only.
-
-        A live owner holds its slot's lock for as long as it owns the slot. If the server can
-        take that lock, the owner is gone (the kernel dropped the lock when it died). Slots held
-        by a planned or running batch are left alone until their result is published.
-        """
-        seg = self.segment
-        f = seg.field
-        with self._held_lock:
-            held = set(self._held)
-        # Unknown state words come only from a buggy or hostile client: answer them here, at
-        # the reaper's pace, rather than scan for them on every request.
-        for slot in (f["state"] > DONE).nonzero()[0].tolist():
-            if slot not in held:
-                self._answer_failure(slot, Status.BAD_STATE,
-                                     f"slot {slot} has unknown state value {int(f['state'][slot])}")
-        reclaimed = 0
-        # Under the held lock throughout: a lane answers a held slot (DONE, post) and lets go
-        # of it in one step under this lock (``_release_and_ring``), so every slot freed here
-        # has had its last write and post from the server.
-        with self._held_lock:
-            for slot in np.flatnonzero(f["state"] != FREE).tolist():
-                if slot in self._held or not seg.try_lock_slot(slot):
-                    continue  # in a batch, or its owner is alive
-                if f["state"][slot] == FREE:
-                    seg.unlock_slot(slot)  # given back between the scan and the lock
-                    continue
-                f["generation"][slot] += 1  # a late result can never match the next owner
-                self._confirmed.pop(slot, None)
-                try:
-                    drain(seg.req(slot))  # the last owner's posts must not reach the next one
-                    drain(seg.done(slot))
-                finally:
-                    seg.free_slot(slot)
-                reclaimed += 1
-        if reclaimed:
-            with self._counters_lock:
-                seg.counters[C_RECLAIMED] += reclaimed
-            # Not only the dead: an idle client leaves one warm slot unlocked (attachment.py),
-            # and a request that timed out lets go of its slot; both come back here.
-            log.log(logging.DEBUG if asked else logging.INFO,
-                    "reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)", reclaimed)
-        return reclaimed
+        warm slots, routine under many handles: counted, logged at DEBUG only."""
+        return reap_dead_owners(self.segment, self._held_lock, self._held, self._confirmed,
+                                answer_failure=self._answer_failure, counters=self._counters,
+                                asked=asked)  # fmt: skip
 
     def _on_stop_signal(self, signum: int) -> None:
         if self._stop.is_set():
@@ -764,15 +709,3 @@ def _take_post(sem: posix_ipc.Semaphore) -> bool:
         return True
     except posix_ipc.BusyError:
         return False
-
-
-def _device_of(decoder: object) -> torch.device:
-    device = getattr(decoder, "device", None)
-    if device is not None:
-        return torch.device(device)
-    parameters = getattr(decoder, "parameters", None)
-    if callable(parameters):
-        for p in parameters():
-            return p.device
-    return torch.device("cpu")
-

@@ -30,6 +30,7 @@ from ..protocol.names import (
     validate_name,
 )
 from ..protocol.segment import check_free_space
+from ..server.batch_costs import BATCHING_MODES
 from ..server.batching import (
     DEFAULT_CUDA_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH,
@@ -38,6 +39,7 @@ from ..server.batching import (
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
 )
+from ..server.dispatch_policy import DISPATCH_MODES
 from ..server.signals import StartupSignals, sigint_ignored
 from .decode_cmd import _cmd_decode
 from .model_args import CODECS, add_model_args, load_decoder, resolve_preset
@@ -217,7 +219,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="how long a batch may wait to grow once a lane is free")
     p.add_argument("--rejoin-ms", type=float, default=DEFAULT_REJOIN_MS,
                    help="how long a free lane waits for the clients it just answered to send "
-                        "again; stops once they have")  # fmt: skip
+                        "again; stops once they have, and waits longer (up to 25 ms) where they "
+                        "measure to take longer; 0: never")  # fmt: skip
     p.add_argument("--max-batch-tokens", type=_batch_tokens, default="auto",
                    help=f"padded-token budget per batch (rows x longest), or none; default "
                         f"{DEFAULT_MAX_BATCH_TOKENS} on CPU, "
@@ -232,6 +235,15 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="decode lanes sharing the weights (default: 1 on CUDA; on a CPU, chosen while "
                         "serving among 1, 2 and 4 by measuring each on the live traffic, every "
                         "choice logged); a number fixes it")  # fmt: skip
+    p.add_argument("--batching", choices=BATCHING_MODES, default="auto",
+                   help="auto: batch only where the server's own batches measure that it pays "
+                        "(every choice logged); static: every row the bounds above admit "
+                        "(default auto)")  # fmt: skip
+    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
+                   help="auto: plan the next batch at once, or wait for the running batch's "
+                        "clients, whichever the measured batch cost and client turnaround say "
+                        "serves more (every change logged); pipeline or wait fixes it (default "
+                        "auto)")  # fmt: skip
 
 
 def _batch_tokens(text: str) -> int | str | None:
@@ -341,6 +353,8 @@ def _serve_one(args: argparse.Namespace) -> int:
             max_batch_tokens=args.max_batch_tokens,
             min_fill=args.min_fill,
             lanes=args.lanes,
+            batching=args.batching,
+            dispatch=args.dispatch,
             max_tokens=args.max_tokens,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,

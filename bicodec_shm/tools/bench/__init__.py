@@ -17,6 +17,8 @@ One module per concern (the command line's help, ``cli.py``, says what is measur
 - ``report``: medians over repeats, ratios per repeat, the targets, the noise flags, the text
   tables;
 - ``plot``: the PNG (needs matplotlib, the ``[plot]`` extra);
+- ``options``: the options that name server keywords, bicodec-shm variants (``--lanes``,
+  ``--dispatch``, ``--batching``) and stand-in costs, parsed and checked;
 - ``cli``: the options, ``run_and_report`` and ``main``.
 """
 

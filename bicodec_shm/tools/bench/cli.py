@@ -80,9 +80,7 @@ PNG of throughput, p99 latency and peak memory against N (needs matplotlib: ``pi
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
-import inspect
 import json
 import math
 import os
@@ -96,6 +94,7 @@ from typing import Any
 
 from ...codecs.layout import LAYOUTS, get_layout
 from ...protocol.names import leftover_objects, unlink_all
+from ...server.batch_costs import BATCHING_MODES
 from ...server.batching import (
     DEFAULT_CUDA_MAX_BATCH_TOKENS,
     DEFAULT_MAX_BATCH,
@@ -103,6 +102,7 @@ from ...server.batching import (
     DEFAULT_MAX_WAIT_MS,
     default_max_batch_tokens,
 )
+from ...server.dispatch_policy import DISPATCH_MODES
 from ..model_args import CODEC_PRESETS, resolve_preset
 from .calibrate import Calibration, calibrate, estimate_seconds, mean_frames, run_seconds, sweep_seconds
 from .config import (
@@ -116,7 +116,6 @@ from .config import (
     QUICK_NS,
     QUICK_WINDOW_S,
     REQUEST_TIMEOUT,
-    RESERVED_SERVER_ARGS,
     SHM,
     STAND_IN,
     SWEEP_N,
@@ -125,9 +124,18 @@ from .config import (
     SYSTEM_KEYS,
     Policy,
     Setup,
-    ShmVariant,
 )
 from .decoding import DEVICE_ENV
+from .options import (
+    _floats,
+    _ints,
+    _lane_counts,
+    _policy_names,
+    _stand_in_costs,
+    check_server_options,
+    parse_server_arg,
+    shm_variants,
+)
 from .orchestrate import bench_all, bench_sweep, runs_per_repeat
 from .plot import PLOT_EXTRA, plot
 from .report import (
@@ -148,50 +156,6 @@ from .systems import per_process_threads
 from .workload import DEFAULT_MIX, default_mix, parse_mix, requests_per_client
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _stand_in_costs(text: str) -> tuple[float, float, bool]:
-    """``--stand-in``: a preset name (standin.py) or ``A_MS,B_MS`` (synchronous) -> (a, b, async)."""
-    preset = STAND_IN_PRESETS.get(text.strip())
-    if preset is not None:
-        return preset.a_ms, preset.b_ms, preset.asynchronous
-    try:
-        costs = _floats(text)
-    except argparse.ArgumentTypeError:
-        costs = []
-    if len(costs) != 2 or min(costs) < 0:
-        raise argparse.ArgumentTypeError(
-            f"expected a preset ({', '.join(STAND_IN_PRESETS)}) or A_MS,B_MS, two numbers >= 0, "
-            f"got {text!r}")  # fmt: skip
-    return costs[0], costs[1], False
-
-
-def parse_server_arg(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` -> (key, value): VALUE as a Python literal (2, 1.5, None, True, "x"), or
-    else as the string itself."""
-    key, sep, raw = text.partition("=")
-    key = key.strip().replace("-", "_")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. lanes=2, got {text!r}")
-    try:
-        value = ast.literal_eval(raw.strip())
-    except (ValueError, SyntaxError):
-        value = raw.strip()
-    return key, value
-
-
 def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("benchmarks", "out")) -> None:
     """The options of ``bicodec-shm bench`` (also used by benchmarks/bench_throughput.py)."""
     p.add_argument("--quick", action="store_true",
@@ -206,11 +170,13 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                    help="architecture with random weights, or the device-shaped stand-in (BiCodec "
                         "only); default the codec's full size (spark-tts-0.5b, snac-24khz, ...), "
                         "--quick its tiny one")  # fmt: skip
-    p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="PRESET|A_MS,B_MS",
+    p.add_argument("--stand-in", type=_stand_in_costs, default=None, metavar="PRESET|A_MS,B_MS[,async]",
                    help="the stand-in: a preset, " + "; ".join(
                        f"{k}: {v.a_ms:.4g} + {v.b_ms:.4g} x rows x longest ms, {v.about}"
                        for k, v in STAND_IN_PRESETS.items())
-                   + "; or A,B for those costs, synchronous; implies --model stand-in (default seed)")  # fmt: skip
+                   + "; or A,B for those costs, synchronous, or A,B,async, an asynchronous device "
+                     "(benchmarks/fit_batch_costs.py prints a device's); implies --model stand-in "
+                     "(default seed)")  # fmt: skip
     p.add_argument("--n", type=_ints, default=None, metavar="N,N,...",
                    help=f"client processes (default 1,2,4,8,16; with --sweep {SWEEP_N})")  # fmt: skip
     p.add_argument("--window", type=float, default=None, metavar="SECONDS",
@@ -253,6 +219,14 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                         "'bicodec-shm (lanes=K)'); 'auto' is the default, measured on the live "
                         "traffic (row 'bicodec-shm (lanes=auto)'); without it, lanes= is not "
                         "passed")  # fmt: skip
+    p.add_argument("--dispatch", type=_policy_names(DISPATCH_MODES), default=None, metavar="MODE,...",
+                   help="run bicodec-shm once per value with DecoderServer(dispatch=MODE), of "
+                        f"{', '.join(DISPATCH_MODES)} (rows 'bicodec-shm (dispatch=MODE)'; with "
+                        "--lanes, every pair); without it, dispatch= is not passed (auto)")  # fmt: skip
+    p.add_argument("--batching", type=_policy_names(BATCHING_MODES), default=None, metavar="MODE,...",
+                   help="likewise for DecoderServer(batching=MODE), of "
+                        f"{', '.join(BATCHING_MODES)} (auto: measured; static: every row that "
+                        "fits)")  # fmt: skip
     p.add_argument("--sweep", action="store_true",
                    help="bicodec-shm alone over a grid of --sweep-wait x --sweep-tokens")
     p.add_argument("--sweep-wait", type=_floats, default=SWEEP_WAITS, metavar="MS,MS,...",
@@ -281,58 +255,6 @@ def add_arguments(p: argparse.ArgumentParser, *, out_dir: str = os.path.join("be
                    help="skip the calibration before the runs (one model process timing a request, "
                         "for the estimated time and requests per window); the requests of the first "
                         "window are printed when it ends")  # fmt: skip
-
-
-def check_server_options(options: dict[str, Any]) -> None:
-    """Raise ValueError unless this ``DecoderServer`` accepts every keyword in ``options``
-    (imports the server, hence torch, so only called when there are options)."""
-    bad = sorted(set(options) & set(RESERVED_SERVER_ARGS))
-    if bad:
-        raise ValueError(f"--server-arg {', '.join(bad)}: set by the benchmark; use --max-batch, "
-                         "--max-wait-ms, --max-batch-tokens (they drive the queue server too)")  # fmt: skip
-    if not options:
-        return
-    from ...server.server import DecoderServer
-
-    params = inspect.signature(DecoderServer.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ValueError(f"this DecoderServer does not accept {', '.join(f'{k}=' for k in unknown)}; "
-                         f"its keyword arguments are {', '.join(accepted)}")  # fmt: skip
-
-
-def _lane_counts(text: str) -> tuple[int | None, ...]:
-    """``--lanes``: "1,2,auto" -> (1, 2, None); None is the server's own choice."""
-    out: list[int | None] = []
-    for part in text.split(","):
-        part = part.strip()
-        if part == "auto":
-            out.append(None)
-            continue
-        try:
-            out.append(int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected lane counts or 'auto', got {text!r}") from None
-    return tuple(out)
-
-
-def shm_variants(server_args: Sequence[tuple[str, Any]],
-                 lanes: Sequence[int | None] | None) -> tuple[ShmVariant, ...]:  # fmt: skip
-    """The bicodec-shm configurations to run: one per ``--lanes`` value, or just one."""
-    options = dict(server_args)
-    if lanes is None:
-        return (ShmVariant(SHM, options),)
-    if "lanes" in options:
-        raise ValueError("give lanes either as --lanes or as --server-arg lanes=K, not both")
-    fixed = [k for k in lanes if k is not None]
-    if not lanes or (fixed and min(fixed) < 1) or len(set(lanes)) != len(lanes):
-        raise ValueError(f"--lanes needs distinct values >= 1 or auto, got "
-                         f"{','.join('auto' if k is None else str(k) for k in lanes)}")  # fmt: skip
-    return tuple(ShmVariant(f"{SHM} (lanes={'auto' if k is None else k})",
-                            options if k is None else {**options, "lanes": k}) for k in lanes)  # fmt: skip
 
 
 class Plan:
@@ -378,7 +300,8 @@ class Plan:
         systems = [SYSTEM_KEYS[k] for k in keys]
         if LIMIT in systems and SHM not in systems:
             raise ValueError("--systems: limit replays the batches of shm; include shm")
-        variants = shm_variants(args.server_arg, args.lanes)
+        variants = shm_variants(args.server_arg, args.lanes, getattr(args, "dispatch", None),
+                                getattr(args, "batching", None))
         check_server_options({k: v for variant in variants for k, v in variant.server_options.items()})
         if args.per_process_max_n is not None and args.per_process_max_n < 1:
             raise ValueError(f"--per-process-max-n must be >= 1, got {args.per_process_max_n}")

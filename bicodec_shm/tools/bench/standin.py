@@ -97,10 +97,17 @@ def cost_ms(batch: int, longest: int, *, a_ms: float, b_ms: float) -> float:
 
 
 class _DeviceEvent:
-    """When a launched stand-in batch ends (perf_counter seconds); ``synchronize`` sleeps until then."""
+    """When a launched stand-in batch starts and ends on the device timeline (perf_counter
+    seconds); ``synchronize`` sleeps until its end. ``device_seconds``: the batch's own time on
+    the device, what a CUDA timing event pair would measure (the server fits its costs on it)."""
 
-    def __init__(self, done_at: float) -> None:
+    def __init__(self, done_at: float, started_at: float | None = None) -> None:
         self.done_at = done_at
+        self.started_at = done_at if started_at is None else started_at
+
+    @property
+    def device_seconds(self) -> float:
+        return self.done_at - self.started_at
 
     def synchronize(self) -> None:
         left = self.done_at - time.perf_counter()
@@ -152,7 +159,7 @@ class StandInDecoder:
         self.calls += 1
         self.rows += b
         self.padded_tokens += b * t
-        return self._zeros(semantic_ids, b, t), _DeviceEvent(self._device_free_at)
+        return self._zeros(semantic_ids, b, t), _DeviceEvent(self._device_free_at, start)
 
     def detokenize(self, semantic_ids: Any, global_ids: Any, lengths: Any = None) -> Any:
         """(B, T) ids, (B, 32) ids, optional (B,) lengths -> (B, 320·T) float32 zeros.

@@ -164,14 +164,19 @@ class _RecordingAdapter:
 
 
 def _show_lane_choices(phases_path: str | None = None) -> None:
-    """Print the server's lane-count choices (lane_tuner.py) on stderr, with their numbers;
-    with ``phases_path``, also append the tuner's state at each of them to that file
+    """Print the server's measured choices on stderr, with their numbers: lane counts
+    (lane_tuner.py), batching (batch_costs.py) and dispatch (dispatch_policy.py); with
+    ``phases_path``, also append the lane tuner's state at each of its choices to that file
     (``read_lane_phases``), so that the parent knows which windows overlapped an exploration."""
     import sys
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("\n  server: %(message)s"))
     tuner_log = logging.getLogger("bicodec_shm.server.lanes")
+    for name in ("batching", "dispatch"):
+        choices_log = logging.getLogger(f"bicodec_shm.server.{name}")
+        choices_log.addHandler(handler)
+        choices_log.setLevel(logging.INFO)
     tuner_log.addHandler(handler)
     tuner_log.setLevel(logging.INFO)
     if phases_path is not None:

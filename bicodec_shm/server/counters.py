@@ -1,0 +1,93 @@
+"""The server's live counters and histograms in the segment header (what ``bicodec-shm stats``,
+``get_stats()`` and the Prometheus endpoint read).
+
+Every lane adds to them, so each update is one step under one lock: a batch's counters go in as
+one vector add (``C_*`` order), its histogram bins as one ``bincount``. Every time here is a
+server-side int64: submit times were clamped to when the server saw them (slot_io).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+import numpy as np
+
+from ..protocol.layout import (
+    C_FAILED,
+    C_HOST_GAP,
+    C_RECLAIMED,
+    C_REQUESTS,
+    HIST_BINS,
+    N_STATUS,
+    N_TIME_BINS,
+    TIME_BUCKETS,
+)
+from ..protocol.segment import Segment
+from ..protocol.slot_io import Batch
+
+_BUCKETS = [int(b * 1e9) for b in TIME_BUCKETS]  # upper bounds, ns; bisect_left: "le" bins
+_BUCKETS_NS = np.array(_BUCKETS, np.int64)
+
+
+class Counters:
+    """Adds the server's events to a segment's header; safe from any lane's thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.busy_lanes = 0  # lanes running a batch now (the header's busy_lanes, read by the planner)
+
+    def count_batch(self, seg: Segment, batch: Batch, done_ns: int, elapsed_ns: int) -> None:
+        """Add one published batch: requests, tokens, padding, queue and latency times, the
+        batch's decode time, and the batch-size histogram."""
+        req = batch.requests
+        rows, longest = len(req), int(batch.semantic.shape[1])
+        elapsed_ns = max(0, int(elapsed_ns))
+        if rows == 1:  # Python scalars: the common case at low load
+            submitted = int(req.submitted_ns[0])
+            queued, latency = max(0, batch.started_ns - submitted), max(0, done_ns - submitted)
+            tokens, queued_sum, latency_sum = int(req.lengths[0]), queued, latency
+            bins = [bisect.bisect_left(_BUCKETS, queued), N_TIME_BINS + bisect.bisect_left(_BUCKETS, latency)]
+        else:
+            submitted_ns = req.submitted_ns
+            queued_ns = (batch.started_ns - submitted_ns).clip(0)
+            latency_ns = (done_ns - submitted_ns).clip(0)
+            tokens = int(req.lengths.sum())
+            queued_sum, latency_sum = int(queued_ns.sum()), int(latency_ns.sum())
+            bins = np.concatenate((np.searchsorted(_BUCKETS_NS, queued_ns),
+                                   np.searchsorted(_BUCKETS_NS, latency_ns) + N_TIME_BINS)).tolist()
+        bins.append(2 * N_TIME_BINS + bisect.bisect_left(_BUCKETS, elapsed_ns))
+        # Every counter of the batch in one add (C_* order).
+        delta = np.array([rows, 1, 0, 0, tokens, rows * longest, queued_sum, elapsed_ns, latency_sum,
+                          0, elapsed_ns], np.uint64)  # fmt: skip
+        with self.lock:
+            seg.counters += delta
+            h = seg.histograms
+            if rows == 1:
+                for i in bins:
+                    h[i] += 1
+            else:
+                h += np.bincount(bins, minlength=3 * N_TIME_BINS).astype(np.uint64)
+            seg.header["batch_hist"][min(rows, HIST_BINS - 1)] += 1
+
+    def count_failure(self, seg: Segment, status: int) -> None:
+        with self.lock:
+            seg.counters[C_REQUESTS] += 1
+            seg.counters[C_FAILED] += 1
+            seg.header["failed_by_status"][min(int(status), N_STATUS - 1)] += 1
+
+    def count_reclaimed(self, seg: Segment, reclaimed: int) -> None:
+        with self.lock:
+            seg.counters[C_RECLAIMED] += reclaimed
+
+    def lane_started(self, seg: Segment, host_gap_ns: int) -> None:
+        """A lane starts a batch after the device waited ``host_gap_ns`` for the host."""
+        with self.lock:
+            seg.counters[C_HOST_GAP] += max(0, host_gap_ns)
+            seg.header["busy_lanes"] += 1
+            self.busy_lanes += 1
+
+    def lane_finished(self, seg: Segment) -> None:
+        with self.lock:
+            seg.header["busy_lanes"] -= 1
+            self.busy_lanes -= 1

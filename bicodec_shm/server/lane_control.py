@@ -1,0 +1,97 @@
+"""Which of the server's lanes take batches now, and each one's thread count: a fixed count, or
+the lane tuner's choice (lane_tuner.py) applied as it measures.
+
+Lane threads are started up to ``max_lanes``; the ones beyond ``lanes`` are *parked*: a lane asks
+for its turn (``turn``) before each batch, which blocks while it is parked and then tells it its
+thread count (the cores split evenly between the lanes running). Every decoded batch is measured
+(``begin``, ``end``: its share of the busy time) and given to the tuner, whose choice is applied
+from the next batch on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from ..protocol.slot_io import Batch
+from .lane_tuner import BatchMeter, Choice, LaneTuner, LaneTuning
+from .lanes import lane_threads
+
+# Lanes on CPU: the server measures which count serves best (lane_tuner.py) among these, up to
+# the cores it has, starting from DEFAULT_CPU_LANES. More than 4 is left to --lanes: each lane
+# holds a batch's activations of its own.
+CPU_LANE_CANDIDATES = (1, 2, 4)
+DEFAULT_CPU_LANES = 2
+
+
+class LaneControl:
+    """The lanes running now (``lanes``), those started (``max_lanes``), and the tuner.
+
+    Args:
+        lanes: a fixed count, or None: tuned among ``CPU_LANE_CANDIDATES`` (up to ``cores``)
+            when ``tunable`` (a CPU), else 1.
+        cores: the intra-op threads the lanes share.
+        tunable: the decoder runs on the CPU, not a device (nor a decoder playing one).
+        pipelined: the lanes launch on a device (no thread count of their own).
+        tuning: the tuner's knobs.
+        on_change: called with the new count once the tuner changes it (the segment header).
+    """
+
+    def __init__(self, lanes: int | None, *, cores: int, tunable: bool, pipelined: bool,
+                 tuning: LaneTuning | None, on_change: Callable[[int], None]) -> None:  # fmt: skip
+        self.cores = cores
+        self.pipelined = pipelined
+        candidates = [c for c in CPU_LANE_CANDIDATES if c <= cores]
+        self.tuner: LaneTuner | None = None
+        if lanes is None and tunable and len(candidates) > 1:
+            lanes = min(DEFAULT_CPU_LANES, candidates[-1])
+            self.tuner = LaneTuner(candidates, lanes, tuning)
+        self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
+        self.max_lanes = candidates[-1] if self.tuner else self.lanes  # lane threads started
+        self._on_change = on_change
+        self._turns = threading.Condition()  # parked lanes wait here for their turn
+        self._tuner_lock = threading.Lock()
+        self._meter = BatchMeter()  # each batch's share of the time some lane was decoding
+
+    @property
+    def threads_per_lane(self) -> int | None:
+        """Each CPU lane's share of the cores now (None on a device: the host threads only launch)."""
+        return None if self.pipelined else max(1, self.cores // self.lanes)
+
+    def turn(self, lane: int, stop: threading.Event, poll: float) -> tuple[int | None, bool]:
+        """Block while ``lane`` is parked; then (its thread count for the next batch, whether
+        it was parked), or (None, ...) once ``stop`` is set."""
+        with self._turns:
+            parked = False
+            while lane >= self.lanes and not stop.is_set():
+                parked = True
+                self._turns.wait(poll)
+            return (None if stop.is_set() else self.threads_per_lane), parked
+
+    def begin(self, batch: Batch) -> None:
+        if self.tuner is not None:
+            self._meter.begin(id(batch))
+
+    def end(self, batch: Batch, *, settled: Callable[[int | None], bool]) -> Choice | None:
+        """A lane finished ``batch``: give the tuner its sample and apply its choice.
+        ``settled(threads)``: the batching policy of that thread count is measured too."""
+        if self.tuner is None:
+            return None
+        req = batch.requests
+        sample = self._meter.end(id(batch), planned_ns=batch.started_ns, tokens=int(req.lengths.sum()),
+                                 rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]))
+        # Only a batch decoded with the thread count of the arrangement being measured (right
+        # after a switch, a lane being parked may still finish one with its old count), once
+        # the batching policy is measured too (batch_costs.py): arrangements compare alike.
+        threads = lane_threads()
+        if sample is None or threads != max(1, self.cores // self.tuner.lanes) or not settled(threads):
+            return None
+        with self._tuner_lock:
+            choice = self.tuner.observe(sample)
+        if choice is not None:
+            with self._turns:
+                self.lanes = choice.lanes
+                self._turns.notify_all()
+            self._on_change(choice.lanes)
+        return choice
+

@@ -1,0 +1,70 @@
+"""Reclaiming the slots of clients that are gone.
+
+A live owner holds its slot's lock for as long as it owns the slot (protocol/locks.py). If the
+server can take that lock, the owner is gone (the kernel dropped the lock when it died), or let
+the slot go without freeing it (an idle client's warm slot, a request that timed out). Slots
+held by a planned or running batch are left alone until their result is published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ..protocol.layout import DONE, FREE, Status
+from ..protocol.segment import Segment, drain
+from .counters import Counters
+
+log = logging.getLogger("bicodec_shm.server")
+
+
+def reap_dead_owners(seg: Segment, held_lock: threading.Lock, held: dict[int, int], confirmed: dict[int, int],
+                     *, answer_failure: Callable[..., None], counters: Counters,
+                     asked: bool = False) -> int:  # fmt: skip
+    """Reclaim every slot nobody holds; returns how many were reclaimed.
+
+    Args:
+        held_lock, held: the server's slots in planned or running batches (slot -> the seen ns
+            of the request that holds it), and their lock.
+        confirmed: the server's confirmed requests (slot -> seen ns); a reclaimed slot leaves it.
+        answer_failure: ``answer_failure(slot, status, message)`` answers a slot with an error.
+        asked: a claimer asked for a slot (logged at DEBUG: routine under many idle handles).
+    """
+    f = seg.field
+    with held_lock:
+        held_now = set(held)
+    # Unknown state words come only from a buggy or hostile client: answer them here, at
+    # the reaper's pace, rather than scan for them on every request.
+    for slot in (f["state"] > DONE).nonzero()[0].tolist():
+        if slot not in held_now:
+            state = int(f["state"][slot])
+            answer_failure(slot, Status.BAD_STATE, f"slot {slot} has unknown state value {state}")
+    reclaimed = 0
+    # Under the held lock throughout: a lane answers a held slot (DONE, post) and lets go
+    # of it in one step under this lock (``_release_and_ring``), so every slot freed here
+    # has had its last write and post from the server.
+    with held_lock:
+        for slot in np.flatnonzero(f["state"] != FREE).tolist():
+            if slot in held or not seg.try_lock_slot(slot):
+                continue  # in a batch, or its owner is alive
+            if f["state"][slot] == FREE:
+                seg.unlock_slot(slot)  # given back between the scan and the lock
+                continue
+            f["generation"][slot] += 1  # a late result can never match the next owner
+            confirmed.pop(slot, None)
+            try:
+                drain(seg.req(slot))  # the last owner's posts must not reach the next one
+                drain(seg.done(slot))
+            finally:
+                seg.free_slot(slot)
+            reclaimed += 1
+    if reclaimed:
+        counters.count_reclaimed(seg, reclaimed)
+        # Not only the dead: an idle client leaves one warm slot unlocked (attachment.py),
+        # and a request that timed out lets go of its slot; both come back here.
+        log.log(logging.DEBUG if asked else logging.INFO,
+                "reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)", reclaimed)
+    return reclaimed

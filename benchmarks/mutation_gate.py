@@ -152,7 +152,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/client/streaming.py",
       "left_context=25, lookahead=20, crossfade=640", "left_context=29, lookahead=16, crossfade=640",
       "tests/test_streaming.py", "-k", "snr_floor_of_each_preset"),
-    m("padded-tokens-counted-as-tokens", "padded_tokens counts valid tokens", "bicodec_shm/server/counters.py",
+    m("padded-tokens-counted-as-tokens", "padded_tokens counts valid tokens",
+      "bicodec_shm/server/counters.py",
       "delta = np.array([rows, 1, 0, 0, tokens, rows * longest,",
       "delta = np.array([rows, 1, 0, 0, tokens, tokens,",
       "tests/test_metrics.py", "-k", "known_sequence"),
@@ -166,7 +167,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "np.searchsorted(_BUCKETS_NS, latency_ns) + N_TIME_BINS",
       "np.searchsorted(_BUCKETS_NS, queued_ns) + N_TIME_BINS",
       "tests/test_metrics.py", "-k", "known_sequence"),
-    m("thread-per-decode_async", "decode_async runs decode in a worker thread", "bicodec_shm/client/decoder_client.py",
+    m("thread-per-decode_async", "decode_async runs decode in a worker thread",
+      "bicodec_shm/client/decoder_client.py",
       '        """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""\n',
       '        """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""\n'
       "        return await asyncio.to_thread(self.decode, semantic_ids, global_ids, dtype=dtype,\n"
@@ -204,11 +206,13 @@ MUTANTS: tuple[Mutant, ...] = (
              "            for slot in owned:\n"
              "                if int(states[slot]) in (CLAIMED, 4):  # 4 is DONE"),),
            ("tests/test_review_findings.py", "-k", "test_1_")),  # fmt: skip
-    m("identity-checks-only-seq", "is_answer compares the sequence number only", "bicodec_shm/protocol/attachment.py",
+    m("identity-checks-only-seq", "is_answer compares the sequence number only",
+      "bicodec_shm/protocol/attachment.py",
       "return seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq]",
       "return int(seg.result_id[slot][2]) == seq",
       "tests/test_review_findings.py", "-k", "test_1_an_answer"),
-    m("f2-submit-time-not-clamped", "a client's t_submit_ns trusted as written", "bicodec_shm/protocol/slot_io.py",
+    m("f2-submit-time-not-clamped", "a client's t_submit_ns trusted as written",
+      "bicodec_shm/protocol/slot_io.py",
       "submitted_ns=_clip(submitted, seen - TRUSTED_QUEUE_NS, seen),",
       'submitted_ns=rows["t_submit_ns"].astype(np.int64),',
       "tests/test_review_findings.py", "-k", "test_2_ or s6_"),
@@ -279,7 +283,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "                    self._sleep(waiter, min(SLICE, max(0.0, deadline - time.monotonic())))\n",
       "                with self.lock:\n"
       "                    if not self.owned.difference(self.using) and self.retired is None:\n"
-      "                        threading.Condition(self.lock).wait(min(SLICE, max(0.0, deadline - time.monotonic())))\n",
+      "                        threading.Condition(self.lock).wait(min(SLICE, max(0.0, deadline - time.monotonic())))\n",  # noqa: E501
       "tests/test_signal_waits.py", "-k", "any_point"),
     m("lane-tuner-keeps-the-slower", "the lane tuner settles on the arrangement measured slower",
       "bicodec_shm/server/lane_tuner.py",

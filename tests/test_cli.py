@@ -175,7 +175,8 @@ def test_every_option_of_every_command_has_help_that_shows_its_default():
                 # This option's lines of --help: from its own line to the next option's.
                 start = next(i for i, line in enumerate(lines)
                              if line.startswith(f"  {action.option_strings[0]}"))  # fmt: skip
-                end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  -")), len(lines))
+                end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  -")),
+                           len(lines))  # fmt: skip
                 if "default" not in " ".join(lines[start:end]):
                     missing.append(f"{where}: its default {action.default!r} is not shown")
     assert missing == []

@@ -279,7 +279,8 @@ def test_no_server_gives_a_clear_error(shm_name):
 
 def test_client_side_imports_no_torch():
     code = ("import sys, bicodec_shm; from bicodec_shm import DecoderClient, BiCodecBatchDecoder; "
-            "import bicodec_shm.tools.cli, bicodec_shm.client.decoder_client, bicodec_shm.integrations.batch_decoder; "
+            "import bicodec_shm.tools.cli, bicodec_shm.client.decoder_client; "
+            "import bicodec_shm.integrations.batch_decoder; "
             "assert 'torch' not in sys.modules, 'torch was imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

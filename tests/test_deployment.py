@@ -139,7 +139,8 @@ def test_a_worker_respawned_at_once_after_a_sigkill_attaches_and_decodes(start_s
     """Finding 13: the dead worker's slot is still owned when its replacement starts."""
     start_server("--slots", "1")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from bicodec_shm.client.decoder_client import DecoderClient; "
+        [sys.executable, "-c", "import sys, time; "
+         "from bicodec_shm.client.decoder_client import DecoderClient; "
          f"c = DecoderClient({shm_name!r}); c.decode([1, 2, 3], list(range(32))); "
          "print('holding', flush=True); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,

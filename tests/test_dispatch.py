@@ -32,7 +32,8 @@ class RecordingDecoder:
         return self.model.detokenize(semantic_ids, global_ids, lengths)
 
 
-def test_a_slot_sent_again_right_after_its_answer_is_batched_once_with_its_new_request(thread_server, shm_name):
+def test_a_slot_sent_again_right_after_its_answer_is_batched_once_with_its_new_request(
+        thread_server, shm_name):
     decoder = RecordingDecoder()
     server = thread_server(decoder, lanes=1, rejoin_ms=0.0)
     rng = np.random.default_rng(3)
@@ -70,7 +71,7 @@ def test_a_slot_confirmed_again_before_the_dispatcher_looked_in_between_keeps_on
                 slot = int(batch.slots[0])
                 server._publish(batch, runner.launch(batch, retry=True).wait(), 0)
                 if k + 1 < len(requests):  # no look at the slots until the next request is READY
-                    wait_for(lambda: server.segment.slots["state"][slot] == SlotState.READY,
+                    wait_for(lambda slot=slot: server.segment.slots["state"][slot] == SlotState.READY,
                              what="the client's next request on the same slot")  # fmt: skip
             sender.join(30)
         assert not sender.is_alive()

@@ -31,7 +31,7 @@ import psutil  # noqa: E402
 from bicodec_shm.client.decoder_client import DecoderClient  # noqa: E402
 from bicodec_shm.deploy import processes  # noqa: E402
 from bicodec_shm.protocol.header import read_header, stats_from_header  # noqa: E402
-from bicodec_shm.protocol.names import leftover_objects
+from bicodec_shm.protocol.names import leftover_objects  # noqa: E402
 
 if ROOT not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the root on the path
     sys.path.insert(0, ROOT)

@@ -258,7 +258,8 @@ def test_scrapes_during_and_after_load_match_the_requests_and_stats(start_server
     decoded = len(done) + 1
     # Nothing moved between the scrape and `stats`: the same header, read twice.
     slots = {k: stats.pop(k) for k in ("owned", "ready", "busy", "attached_clients")}
-    assert stats == json.loads(json.dumps({**stats_from_header(header), "server_alive": True, "state": "serving"}))
+    expected = {**stats_from_header(header), "server_alive": True, "state": "serving"}
+    assert stats == json.loads(json.dumps(expected))
     assert slots["owned"] == _get(after, "bicodec_shm_slots_owned")
     assert slots["attached_clients"] == _get(after, "bicodec_shm_attached_clients")
     assert _get(after, "bicodec_shm_requests_total") == stats["requests"] == decoded + len(BAD_REQUESTS)
@@ -433,7 +434,8 @@ def test_unknown_status_codes_are_exported_not_dropped(parser):
 
 
 def test_importing_the_package_does_not_import_prometheus_client():
-    out = subprocess.run([sys.executable, "-c", "import sys, bicodec_shm.server.metrics, bicodec_shm.tools.cli, "
+    out = subprocess.run([sys.executable, "-c", "import sys, bicodec_shm.server.metrics, "
+                          "bicodec_shm.tools.cli, "
                           "bicodec_shm.server.server; print('prometheus_client' in sys.modules)"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert out.stdout.strip() == "False", out.stderr

@@ -78,7 +78,8 @@ def test_the_scan_finds_what_it_refuses(text):
     assert offences(text)
 
 
-@pytest.mark.parametrize("text", ["--seed: the seed of the random weights", "None draws the seed from torch's",
+@pytest.mark.parametrize("text", ["--seed: the seed of the random weights",
+                                  "None draws the seed from torch's",
                                   "a request's noise seed", "open issues on GitHub"])  # fmt: skip
 def test_the_scan_lets_a_random_seed_be(text):
     assert offences(text) == []

@@ -43,7 +43,7 @@ import psutil  # noqa: E402
 from bicodec_shm.client.streaming import DecodeStream  # noqa: E402
 from bicodec_shm.deploy.processes import is_serving  # noqa: E402
 from bicodec_shm.protocol.header import read_header, stats_from_header  # noqa: E402
-from bicodec_shm.protocol.names import leftover_objects, random_name
+from bicodec_shm.protocol.names import leftover_objects, random_name  # noqa: E402
 from bicodec_shm.protocol.names import unlink_all as unlink_segment  # noqa: E402
 
 if ROOT not in sys.path:

@@ -508,7 +508,8 @@ def test_12_the_free_doorbell_stays_bounded_and_never_raises(shm_name):
 # -- 13 ------------------------------------------------------------------------------------------
 
 
-def test_13_a_semaphore_name_taken_by_someone_else_is_refused_clearly_and_ours_cleaned_up(shm_name, monkeypatch):
+def test_13_a_semaphore_name_taken_by_someone_else_is_refused_clearly_and_ours_cleaned_up(
+        shm_name, monkeypatch):
     foreign = posix_ipc.Semaphore(f"/{shm_name}.done.1", posix_ipc.O_CREX, 0o600, 0)
     try:
         # What /dev/shm's sticky bit does for another user's object: our unlink cannot remove it.
@@ -578,7 +579,8 @@ def test_14_a_request_sent_while_its_answer_is_being_rung_is_not_skipped(shm_nam
 def test_15_group_totals_count_only_members_that_serve():
     member = {"requests": 5, "batches": 2, "failed": 0, "reclaimed": 0, "tokens": 50,
               "padded_tokens": 60, "slots": 4, "max_tokens": 100, "batch_size_histogram": {2: 2},
-              "avg_batch_time_ms": 1.0, "avg_queue_wait_ms": 1.0, "avg_latency_ms": 2.0, "completed": 5}  # fmt: skip
+              "avg_batch_time_ms": 1.0, "avg_queue_wait_ms": 1.0, "avg_latency_ms": 2.0,
+              "completed": 5}  # fmt: skip
     up = totals([member | {"server_alive": True}, member | {"server_alive": False}])
     assert up["members_up"] == 1 and up["requests"] == 5 and up["slots"] == 4
 
@@ -617,7 +619,7 @@ def test_s3_close_during_calls_that_are_attaching_leaves_no_attachment_behind(sh
         for _ in range(10):
             client = DecoderClient(shm_name, slots=4, timeout=10)
             client._att.retire(BiCodecShmError("dropped"))  # every call must attach anew
-            callers = [threading.Thread(target=_raises, args=(lambda: client.decode([1, 2], [0] * 32),))
+            callers = [threading.Thread(target=_raises, args=(lambda c=client: c.decode([1, 2], [0] * 32),))
                        for _ in range(6)]  # fmt: skip
             for t in callers:
                 t.start()
@@ -675,7 +677,8 @@ def test_queued_requests_fail_fast_once_the_server_stopped_with_no_successor(shm
             first = asyncio.ensure_future(client.decode_async([1, 2, 9], [0] * 32))
             await asyncio.to_thread(wait_for, lambda: int(server.segment.header["busy_lanes"]) == 1)
             queued = [asyncio.ensure_future(client.decode_async([1, 2, i], [0] * 32)) for i in range(3)]
-            await asyncio.to_thread(wait_for, lambda: int((server.segment.slots["state"] == READY).sum()) == 3)
+            ready = lambda: int((server.segment.slots["state"] == READY).sum()) == 3  # noqa: E731
+            await asyncio.to_thread(wait_for, ready)
             t0 = time.monotonic()
             server.stop()  # SIGTERM with no successor: the running batch is finished ...
             decoder.gate.set()

@@ -7,6 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from bicodec_shm.protocol.layout import BUSY, DONE, HOP, NO_BELL, READY, Status
+from bicodec_shm.protocol.segment import Segment
 from bicodec_shm.protocol.slot_io import check_headers, gather, publish
 
 
@@ -18,8 +20,6 @@ def _seen(slots: np.ndarray) -> np.ndarray:
 
 _SEEN_NS = time.monotonic_ns() + 3600 * 10**9  # after every submit of the session
 
-from bicodec_shm.protocol.layout import BUSY, DONE, HOP, NO_BELL, READY, Status
-from bicodec_shm.protocol.segment import Segment
 
 
 @pytest.fixture

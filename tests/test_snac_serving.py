@@ -144,7 +144,8 @@ BAD = {
                        "token 0 \\(frame 0, position 0"),
     "global ids to snac": (lambda c, lv: c.decode_codes(lv, global_ids=[0] * 32), "takes no global ids"),
     "bicodec request to snac": (lambda c, lv: c.decode([1, 2, 3], [0] * 32), "BiCodec.*serves snac-24khz"),
-    "another snac variant": (lambda c, lv: c.decode_codes(lv, codec="snac-32khz"), "snac-32khz.*serves snac-24khz"),
+    "another snac variant": (lambda c, lv: c.decode_codes(lv, codec="snac-32khz"),
+                             "snac-32khz.*serves snac-24khz"),
     "bad seed": (lambda c, lv: c.decode_codes(lv, noise_seed=2**63), "noise_seed"),
     "bad start frame": (lambda c, lv: c.decode_codes(lv, start_frame=-1), "start_frame must be an int"),
 }

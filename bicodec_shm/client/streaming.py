@@ -223,8 +223,8 @@ class DecodeStream:
         preset: ``"default"``, ``"exact"`` or ``"peers"`` (see :data:`PRESETS`); the four
             keyword settings below override single fields of it.
         chunk_tokens, left_context, lookahead, crossfade: see :class:`StreamSettings`.
-        dtype: ``"int16"`` (clipped, scaled by 32767 and truncated, little-endian) or ``"float32"`` (the model's
-            output, little-endian) for the bytes returned.
+        dtype: ``"int16"`` (clipped, scaled by 32767 and truncated, little-endian) or
+            ``"float32"`` (the model's output, little-endian) for the bytes returned.
         max_window: the most tokens one decode may carry (the server's ``--max-tokens``; None:
             its default for the codec, 1500 tokens for BiCodec, 30 s for SNAC); a large push is
             split into several windows.

@@ -49,7 +49,8 @@ def die_with_parent() -> Callable[[], None]:
 
 def keeper_command(command: list[str]) -> list[str]:
     """``command`` run under ``keep_server`` in this interpreter (no torch, no Ray imported)."""
-    keep = "import sys; from bicodec_shm.deploy.processes import keep_server; sys.exit(keep_server(sys.argv[1:]))"
+    keep = ("import sys; from bicodec_shm.deploy.processes import keep_server; "
+            "sys.exit(keep_server(sys.argv[1:]))")
     return [sys.executable, "-c", keep, *command]
 
 

@@ -596,7 +596,8 @@ class Attachment:
             why = "it is stopping"
         else:
             why = "it still serves: it may be overloaded"
-        return DecodeTimeoutError(f"no answer from the decoder server {self.name!r} within the timeout ({why})")
+        return DecodeTimeoutError(
+            f"no answer from the decoder server {self.name!r} within the timeout ({why})")
 
     def take_result(self, seg: Segment, slot: int, seq: int) -> np.ndarray:
         """Copy a DONE slot's PCM out (or raise its error) and hand the slot back."""

@@ -214,7 +214,8 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
     costs a few microseconds instead of a dozen numpy calls."""
     # A private copy, as above, as one tuple of Python scalars: np.void.copy() costs ~9 us.
     v = seg.slots[slot].item()
-    state, n, n_global, dtype, req_generation, generation, notify, t_submit, *ids, seed, flags, start = _PICK(v)
+    (state, n, n_global, dtype, req_generation, generation, notify, t_submit,
+     *ids, seed, flags, start) = _PICK(v)
     if state != READY:
         return _empty_requests(), []
     if (

@@ -574,8 +574,8 @@ class DecoderServer:
         except Exception as exc:
             log.exception("publishing a batch of %d failed; answering each row with an error", len(req))
             for row in range(len(req)):
-                self._answer_failure(int(req.slots[row]), Status.DECODE_FAILED,
-                                     f"the server failed to publish the result: {exc}", req.take([row]))  # fmt: skip
+                message = f"the server failed to publish the result: {exc}"
+                self._answer_failure(int(req.slots[row]), Status.DECODE_FAILED, message, req.take([row]))
             return
         try:
             self._count_batch(batch, done_ns, elapsed_ns)

@@ -850,7 +850,8 @@ def _signal(target: subprocess.Popen | int, sig: int) -> bool:
         return False
 
 
-def _server_pid(server: subprocess.Popen, members: list[str], rng: random.Random) -> subprocess.Popen | int | None:
+def _server_pid(server: subprocess.Popen, members: list[str],
+                rng: random.Random) -> subprocess.Popen | int | None:  # fmt: skip
     """The server process, or with a group one member's (its pid from its segment's header:
     the same PID namespace here)."""
     if len(members) == 1:

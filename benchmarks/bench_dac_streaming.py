@@ -3,7 +3,7 @@
 For each DAC variant and each streaming preset (``streaming.CODEC_PRESETS``), random codes of
 ``--frames`` frames are pushed one frame at a time, as a language model emits them, and the
 stream's audio is compared with the full single decode of the same codes. Reported: SNR (dB),
-the largest |Δ| in float and in int16 steps (the seed's PCM conversion of both), frames before
+the largest |Δ| in float and in int16 steps (both converted to PCM as the server converts), frames before
 the first audio, and the decode cost (frames decoded / frames). ``--settings`` measures other
 settings too (``chunk,left,lookahead`` in frames, comma-separated, several separated by ``;``).
 

@@ -20,8 +20,8 @@ if the baseline passed and every mutant was killed.
 Why a curated list rather than mutmut or cosmic-ray: those mutate operators at random across
 every line and run the whole selection per mutant, which here means thousands of mutants at
 several seconds each (multi-process tests, real shared memory), and most of what they report is
-equivalent or uninteresting. Each mutant below is a bug someone could write, or has written (the
-review findings of issue 16), paired with the test that must catch it: a survivor names the test
+equivalent or uninteresting. Each mutant below is a bug someone could write, or has written (bugs
+found and fixed before), paired with the test that must catch it: a survivor names the test
 to fix. The list grows with each bug fixed.
 """
 
@@ -59,7 +59,7 @@ def m(name: str, why: str, file: str, old: str, new: str, *tests: str, timeout: 
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    # -- issue 28: fork, limits, internal errors, squatted names, signals -------------------------
+    # -- fork, limits, internal errors, squatted names, signals ------------------------------------
     Mutant("f28-3-sem-open-close-release-the-gil",
            "sem_open/sem_close through ctypes.CDLL: a fork inside one leaves glibc's lock held",
            (("bicodec_shm/protocol/semwait.py", "_sem_open = _libc_gil.sem_open",
@@ -127,7 +127,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m("f28-13-no-stack-dump-on-sigusr1", "SIGUSR1 does not print a serving server's stacks",
       "bicodec_shm/tools/cli.py", "    dumps = _register_stack_dumps()\n", "    dumps = False\n",
       "tests/test_server_signals.py", "-k", "sigusr1"),
-    # -- issue 21's table ------------------------------------------------------------------------
+    # -- the table of mutants ----------------------------------------------------------------------
     m("snake-without-1/alpha", "Snake as x + sin²(αx)", "bicodec_shm/model/modules.py",
       "return torch.addcmul(x, s, (self.alpha + 1e-9).reciprocal()).to(x.dtype)",
       "return (x + s).to(x.dtype)",
@@ -199,7 +199,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "            att._claim_or_none(att.new_seq())\n"
       "        return att",
       "tests/test_client.py", "-k", "claimed_on_demand"),
-    # -- issue 16's findings, each brought back -------------------------------------------------
+    # -- protocol faults found and fixed, each brought back ----------------------------------------
     Mutant("f1-unmap-frees-DONE-slots", "close() frees a slot whose answer is written, not posted",
            (("bicodec_shm/protocol/attachment.py",
              "            for slot in owned:\n                if int(states[slot]) == CLAIMED:",
@@ -251,7 +251,7 @@ MUTANTS: tuple[Mutant, ...] = (
       'up = [m for m in members if "requests" in m and m.get("server_alive")]',
       'up = [m for m in members if "requests" in m]',
       "tests/test_review_findings.py", "-k", "test_15_"),
-    # -- waiting for a slot, waiting without a bell ----------------------------------------------
+    # -- waiting for a slot, waiting without a bell ------------------------------------------------
     m("claim-waits-for-the-reap-tick", "the server ignores a claimer that asks for a slot: idle "
       "handles' warm slots come back only at the reaper's next tick",
       "bicodec_shm/server/server.py",
@@ -295,7 +295,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "if lanes is None and tunable and len(candidates) > 1:",
       "if tunable and len(candidates) > 1:",
       "tests/test_lane_tuner.py", "-k", "fixed"),
-    # -- issue 28's findings 1, 4 and 5, each brought back ---------------------------------------
+    # -- threads sharing a handle, exceptions between steps, lanes' finish -------------------------
     m("f28-1-release-outside-the-claim-lock", "slots given back and the warm one let go of without the "
       "claim lock: another thread of the handle re-takes a lock about to be dropped",
       "bicodec_shm/protocol/attachment.py",
@@ -335,7 +335,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "if confirmed.get(s) == t]",
       "if s in confirmed]",
       "tests/test_dispatch.py"),
-    # -- issue 28's findings, each brought back -------------------------------------------------
+    # -- wrong audio, fork hangs, tuner and claims, each brought back ------------------------------
     Mutant("i28-2-host-launches-share-one-buffer", "a host-output asynchronous decoder's launches "
            "convert at launch into one shared buffer (batch k overwrites k-1's unpublished audio)",
            (("bicodec_shm/server/lanes.py",
@@ -370,7 +370,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, share)",
       "return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, None)",
       "tests/test_lane_tuner.py", "-k", "narrow"),
-    # -- batching and dispatch measured on the live traffic -------------------------------------
+    # -- batching and dispatch measured on the live traffic ----------------------------------------
     m("join-always-pays", "a row joins a batch whatever the measured costs say",
       "bicodec_shm/server/batch_costs.py",
       "        return grown < self.lone_ns(length)", "        return True",
@@ -402,7 +402,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "if running is not None and self._wants_wait(ready, running.lengths.tolist(), key):",
       "if False:",
       "tests/test_dispatch_policy.py", "-k", "large_fixed_cost_waits_and"),
-    # -- DAC -------------------------------------------------------------------------------------
+    # -- DAC ---------------------------------------------------------------------------------------
     m("dac-stage-length-times-stride", "DAC's masks take frames x upsampling as each stage's length "
       "(a stride-5 block gives 5L - 1 steps)", "bicodec_shm/model/dac/config.py",
       "lengths.append((lengths[-1] + 1) * s - 2 * math.ceil(s / 2))",

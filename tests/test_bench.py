@@ -313,7 +313,7 @@ def test_requests_per_client_and_threads():
 # -- the stand-in and the ideal batcher -------------------------------------------------------------
 
 
-def test_stand_in_defaults_follow_the_seed_claim():
+def test_stand_in_defaults_follow_their_calibration():
     # 1 x 50 tokens ~30 ms; 10 x 50 tokens ~37.5 ms (the middle of 35-40 ms).
     costs = {"a_ms": standin.DEFAULT_A_MS, "b_ms": standin.DEFAULT_B_MS}
     assert standin.cost_ms(1, 50, **costs) == pytest.approx(30)

@@ -9,7 +9,7 @@ measured batch cost and client turnaround decide, and ``dispatch=`` wins over th
 - A real server on the stand-in (it sleeps, so the machine's speed does not enter), fed by
   closed-loop client processes of equal lengths: a pipelined lane waits when the fixed cost
   is large and pipelines when it is small; ``dispatch="pipeline"`` keeps it pipelining; a
-  sequential lane (the seed-calibrated stand-in's) waits for its clients too.
+  sequential lane (the calibrated stand-in's) waits for its clients too.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def test_dispatch_pipeline_never_waits_where_waiting_would_pay(thread_server, sh
 
 
 def test_a_sequential_lane_with_a_large_fixed_cost_waits_for_its_clients(thread_server, shm_name):
-    """The seed-calibrated stand-in's shape: a synchronous device, one sequential lane."""
+    """The calibrated stand-in's shape: a synchronous device, one sequential lane."""
     decoder = RecordingStandIn(a_ms=20.0, b_ms=0.01)
     server = thread_server(decoder, **SERVER)
     assert not server._pipeline

@@ -27,7 +27,7 @@ alike. ``--requests M`` instead sends exactly M requests per client and counts t
 
 ``--model stand-in`` (or ``--stand-in A,B``) replaces the model by a device-shaped stand-in
 that sleeps ``A + B·rows·longest`` ms per batch and holds no CPU (``standin.py``, which also
-derives the defaults A ≈ 29.2, B ≈ 0.0167 from the seed's 10 x 30 ms vs one 35-40 ms batch).
+derives the defaults A ≈ 29.2, B ≈ 0.0167 from 10 x 30 ms decodes costing one 35-40 ms batch).
 Its decoder-per-process baseline takes one cross-process lock around every decode, the one
 device the processes time-slice. Its rows add ``ideal batcher (computed)``: every batch
 planned from all N outstanding requests with zero overhead; ``x ideal`` is the share of the

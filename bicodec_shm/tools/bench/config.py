@@ -55,7 +55,7 @@ RESERVED_SERVER_ARGS = ("decoder", "name", "max_batch", "max_wait_ms", "max_batc
 
 @dataclass(frozen=True)
 class Target:
-    """A goal from the issue for bicodec-shm at ``n`` clients, judged on the median ratio."""
+    """A goal set for bicodec-shm at ``n`` clients, judged on the median ratio."""
 
     key: str  # a ratio of report.compare, e.g. "vs_per_process"
     goal: str
@@ -66,7 +66,7 @@ class Target:
     mix: str | None = None  # only for this request mix (None: any)
 
 
-TARGETS = (  # issue 10; the CPU ones were set for the full-size model on a 2-core CPU
+TARGETS = (  # the CPU ones were set for the full-size model on a 2-core CPU
     Target("vs_per_process", "throughput >= 1.0x decoder per process", 8, 1.0, ">=", False,
            DEFAULT_MIX),
     Target("memory_vs_per_process", "total peak RSS <= 0.3x decoder per process", 8, 0.3, "<=",

@@ -6,8 +6,8 @@ host is idle meanwhile. ``StandInDecoder`` plays that: each ``detokenize`` call 
 releases the GIL, and returns zeros of shape (B, 320·T). Whatever a system adds on top of the
 sleeps is its own overhead, with no CPU contention between model and IPC mixed in.
 
-Calibration of the defaults, from the seed's claim that 10 sequential decodes of ~30 ms each
-cost as much as one batched call of ~35-40 ms, with requests of T = 50 tokens (1 s of audio):
+Calibration of the defaults, from a GPU on which 10 sequential decodes of ~30 ms each cost as
+much as one batched call of ~35-40 ms, with requests of T = 50 tokens (1 s of audio):
 
     a + b·1·50  = 30 ms
     a + b·10·50 = 37.5 ms   (the middle of 35-40)
@@ -17,7 +17,7 @@ So a batch of 16 × 50 tokens costs ~42.5 ms where 16 single decodes cost ~480 m
 
 Named presets (``STAND_IN_PRESETS``; ``bench --stand-in NAME``):
 
-- ``seed``: the calibration above, a synchronous decoder (the lane sleeps through the batch);
+- ``calibrated``: the calibration above, a synchronous decoder (the lane sleeps through the batch);
 - ``modern``: a modern GPU, 4 ms + 0.006 ms per padded token, played as an *asynchronous*
   device, as CUDA is: ``launch`` returns at once and the batch "runs" on a device timeline
   (batches queue behind each other, as on one CUDA stream), and the event it returns sleeps
@@ -86,7 +86,8 @@ class StandInPreset:
 
 
 STAND_IN_PRESETS = {
-    "seed": StandInPreset(DEFAULT_A_MS, DEFAULT_B_MS, False, "the seed's calibration, synchronous"),
+    "calibrated": StandInPreset(DEFAULT_A_MS, DEFAULT_B_MS, False,
+                                "30 ms a decode, 37.5 ms for 10, synchronous"),
     "modern": StandInPreset(4.0, 0.006, True, "a modern GPU, asynchronous launches"),
 }
 

@@ -413,6 +413,11 @@ MUTANTS: tuple[Mutant, ...] = (
       "valid = steps[None, :] < lens[:, None]  # (B, n - low)",
       "valid = steps[None, :] <= lens[:, None]  # (B, n - low)",
       "tests/test_dac_model.py", "-k", "tiny_batched"),
+    m("fit-validates-every-request-again", "a request checked against its codec is checked again "
+      "in full against the attachment that sends it", "bicodec_shm/client/decoder_client.py",
+      "    if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:\n"
+      "        return\n", "",
+      "tests/test_snac_serving.py", "-k", "validated_once"),
     m("dia-delay-off-by-one", "Dia's codebook c read one row late",
       "bicodec_shm/codecs/dia.py",
       "index = np.arange(frames)[None, :] + np.asarray(delays)[:, None]",

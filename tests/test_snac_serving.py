@@ -246,3 +246,45 @@ def test_the_prometheus_server_info_names_the_codec():
     state, handles = np.zeros(2, np.uint32), np.zeros(2, np.uint64)
     families = {f.name: f for f in metric_families(header, state, handles, name="x", version="v")}
     assert families["bicodec_shm_server"].samples[0].labels["codec"] == "snac-24khz"
+
+
+# -- one validation per request -----------------------------------------------------------------
+
+
+def _count_validations(monkeypatch) -> dict[str, int]:
+    """Wrap the client's two validators so that each call is counted."""
+    import bicodec_shm.client.decoder_client as dc
+
+    calls = {"as_token_array": 0, "check_request": 0}
+    for fn in calls:
+        real = getattr(dc, fn)
+
+        def counted(*args, _real=real, _fn=fn, **kwargs):
+            calls[_fn] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dc, fn, counted)
+    return calls
+
+
+def test_a_bicodec_request_is_validated_once_per_array_however_many_calls(
+        thread_server, shm_name, monkeypatch):
+    thread_server(slots=4, max_tokens=64)
+    rng = np.random.default_rng(3)
+    with DecoderClient(shm_name, slots=1, timeout=30) as client:
+        client.decode(rng.integers(0, 8192, 10), rng.integers(0, 4096, 32))  # attach first
+        calls = _count_validations(monkeypatch)
+        for _ in range(3):
+            client.decode(rng.integers(0, 8192, 10), rng.integers(0, 4096, 32))
+    # Semantic and global ids, once each per request: the attachment's check costs a comparison.
+    assert calls == {"as_token_array": 6, "check_request": 0}
+
+
+def test_a_code_request_is_validated_once_however_many_calls(snac_server, shm_name, monkeypatch):
+    rng = np.random.default_rng(4)
+    with DecoderClient(shm_name, slots=1, timeout=30) as client:
+        client.decode_codes(request(rng, 4))
+        calls = _count_validations(monkeypatch)
+        for _ in range(3):
+            client.decode_codes(request(rng, 4))
+    assert calls == {"as_token_array": 0, "check_request": 3}

@@ -14,11 +14,11 @@ module decides *which* attachment a request uses and what the caller sees:
   ``ServerUnavailableError`` when their timeout runs out.
 - ``close()`` ends every call in flight within a second with ``ClientClosedError``.
 - In a forked child the handle notices the new pid and attaches afresh; it never shares the
-  parent's slots (transport.py closes the child's copies of every lock descriptor at fork).
+  parent's slots (protocol/locks.py closes the child's copies of every lock descriptor at fork).
 
 Every exception a caller sees is a ``ValueError`` (bad input) or a ``BiCodecShmError``.
 
-Codecs: the server names its codec and token layout in the segment header (transport.py).
+Codecs: the server names its codec and token layout in the segment header (protocol/layout.py).
 ``decode`` sends BiCodec's semantic and global ids; ``decode_codes`` sends any codec's code
 levels (SNAC's 3 or 4, DAC's codebooks), ``decode_orpheus`` Orpheus's audio token ids (SNAC
 24 kHz), ``decode_dia`` Dia's delayed audio tokens (DAC 44 kHz). Each is

@@ -24,7 +24,7 @@ class GroupRouter:
     ``slots`` as its own limit) and gives each request the live member with the fewest
     outstanding requests: other clients' READY and BUSY slots in the member's slot table, plus
     this handle's own requests there. The slot states are read without pairing (see
-    transport.py, "Memory ordering"): a hint that may be a moment old, used only to choose;
+    protocol/segment.py, "Memory ordering"): a hint that may be a moment old, used only to choose;
     ties go to a random member, so that idle clients do not all pick member 0.
 
     A member that stops serving is skipped until it serves again (re-attached at most once a
@@ -138,7 +138,7 @@ class GroupRouter:
             att.close(reason)
 
     def forget_after_fork(self) -> None:
-        """In a forked child: no attachment of the parent is ours (see client.py)."""
+        """In a forked child: no attachment of the parent is ours (see decoder_client.py)."""
         self._lock = threading.Lock()
         atts, self._atts = self._atts, [None] * len(self.members)
         self._retry_at = [0.0] * len(self.members)

@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - the extra is installed wherever the te
 
 DEFAULT_PREFIX = "bicodec-shm"
 NAMESPACE = "bicodec_shm"  # the Ray namespace of the decoder actors, whoever creates them
-MAX_PREFIX = 60  # + "-" + a 56-character node id stays within transport's 120-character names
+MAX_PREFIX = 60  # + "-" + a 56-character node id stays within the protocol's 120-character names
 
 
 @dataclass(frozen=True)

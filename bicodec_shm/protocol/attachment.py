@@ -1,9 +1,9 @@
 """One client attachment to one server incarnation: slots claimed on demand, requests, results.
 
-numpy and posix_ipc only. ``DecoderClient`` (client.py) holds one ``Attachment`` at a time and
+numpy and posix_ipc only. ``DecoderClient`` (client/decoder_client.py) holds one ``Attachment`` at a time and
 replaces it whole when its server goes away; everything here belongs to one segment and dies
-with it. See transport.py for the layout, the slot states, the identity rule and the
-memory-ordering rule.
+with it. See layout.py for the layout and the identity rule, and segment.py for the slot states and
+the memory-ordering rule.
 
 - **Slots on demand.** A request takes an idle slot of this attachment, else claims a FREE
   slot of the segment (up to ``max_slots``), else waits, in short slices, for one to come
@@ -568,7 +568,7 @@ class Attachment:
 
     def is_answer(self, seg: Segment, slot: int, seq: int) -> bool:
         """Whether the result in ``slot`` answers request ``seq`` of ours (read only after
-        taking ``done.I``): the identity rule of transport.py."""
+        taking ``done.I``): the identity rule of layout.py."""
         return seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq]
 
     def wait_result(self, slot: int, seq: int, deadline: float) -> np.ndarray:

@@ -6,10 +6,10 @@ group under ``N`` itself, as a one-page object instead of a segment::
 
     /dev/shm/N      the group object (GROUP_DT): magic "BCDC_GRP", version, member count,
                     each member's device and restart count
-    /dev/shm/N.K    member K: an ordinary segment and its semaphores (transport.py)
+    /dev/shm/N.K    member K: an ordinary segment and its semaphores (segment.py)
 
-The group object is owned exactly like a segment (see transport.py, "Locks"): the supervisor
-creates it O_CREX through ``transport._own_name`` and holds its OWNER byte from creating the
+The group object is owned exactly like a segment (see locks.py): the supervisor
+creates it O_CREX through ``names._own_name`` and holds its OWNER byte from creating the
 name to unlinking it, and its SERVING byte from the moment every member has served once until
 it starts to stop. So ``probe(N)`` tells a live group (SERVING) from one starting or stopping
 (BUSY) and from a killed supervisor's leftovers (DEAD: the next supervisor, or a single server,
@@ -94,7 +94,7 @@ class GroupObject:
     ``stop_serving``, ``unlink`` and ``close`` end it, in that order.
     """
 
-    # The lock descriptor; nothing else dups it (see transport.Segment). The header is written
+    # The lock descriptor; nothing else dups it (see segment.Segment). The header is written
     # with pwrite rather than through a mapping, because mmap would dup it, and a dup shares
     # the open file description and so the locks.
     _fd: int = -1
@@ -176,7 +176,7 @@ class GroupObject:
 
 def _taken_message(name: str, exc: Exception) -> str:
     if probe(name) is not ServerState.SERVING:
-        return str(exc)  # starting or stopping: transport's message says so
+        return str(exc)  # starting or stopping: the segment's message says so
     info = read_group(name)
     if info is not None:
         return (f"a bicodec-shm server group already serves {name!r} (members "

@@ -184,7 +184,7 @@ HEADER_DT = np.dtype(
         ("sample_rate", "<u4"),
         # The one header field clients write: a claimer that found no FREE slot stores a fresh
         # random value here and posts ``ready``; the server reaps at once when it changed
-        # (server.py, ``_reap_if_due``). A hint, never computed with.
+        # (server/server.py, ``_reap_if_due``). A hint, never computed with.
         ("slot_wanted", "<u8"),
     ],
     align=True,

@@ -2,7 +2,7 @@
 
 ``/dev/shm`` holds every POSIX shared-memory object of this IPC namespace. A name is served if
 the object's first 8 bytes are a segment's or a server group's magic and a live process holds
-its SERVING lock (``transport.read_record``: one open per name, no pid trusted). Objects of
+its SERVING lock (``header.read_record``: one open per name, no pid trusted). Objects of
 other users that this user may not open are not listed: they could not be attached anyway.
 """
 

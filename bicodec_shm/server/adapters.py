@@ -1,6 +1,6 @@
 """Codec adapters: how the server hands a gathered batch to the decoder of the codec it serves.
 
-The transport and the engine know a codec only by its ``CodecLayout`` (levels, rates, samples
+The protocol and the engine know a codec only by its ``CodecLayout`` (levels, rates, samples
 per frame, global ids). What a decoder's ``detokenize`` takes differs per codec, so each codec
 provides an adapter with two members::
 
@@ -18,7 +18,7 @@ zeros). Its inputs are the batch's own copies, kept unchanged until the batch is
 A decoder names its adapter with a ``codec_adapter()`` method (``SNACDecoder`` does); one
 without it is taken as BiCodec (``detokenize(semantic, global_ids, lengths)``, as
 ``BiCodecDecoder`` and the tests' stand-ins have). A third codec is one more model module with
-its ``codec_adapter()``: nothing here or in the transport changes.
+its ``codec_adapter()``: nothing here or in the protocol changes.
 """
 
 from __future__ import annotations

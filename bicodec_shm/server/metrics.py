@@ -5,7 +5,7 @@
 ``[metrics]`` extra) from a daemon thread of the server process. Nothing is counted twice: a
 custom collector copies the segment header once per scrape (the same header ``bicodec-shm
 stats`` reads) and turns it into metric families, so the numbers agree with ``stats`` exactly.
-Those reads are not paired with the server's writes (transport.py, "Memory ordering"): fine for
+Those reads are not paired with the server's writes (protocol/segment.py, "Memory ordering"): fine for
 monotonic statistics, and one copy per scrape keeps a scrape consistent with itself, but during
 load two counters of one scrape may be a few requests apart.
 
@@ -13,7 +13,7 @@ Metrics (Triton's and vLLM's conventions: counters end in ``_total``, times are 
 
     counters
       bicodec_shm_requests_total                      requests answered, decoded or failed
-      bicodec_shm_request_failures_total{status}      failed requests by transport.Status name
+      bicodec_shm_request_failures_total{status}      failed requests by protocol.layout.Status name
       bicodec_shm_batches_total                       forward passes published
       bicodec_shm_decoded_tokens_total                semantic tokens decoded (no padding)
       bicodec_shm_padded_tokens_total                 token positions computed (rows x longest)
@@ -33,7 +33,7 @@ Metrics (Triton's and vLLM's conventions: counters end in ``_total``, times are 
     info
       bicodec_shm_server_info{name,version,codec,max_batch,max_tokens}   1
 
-The time histograms use ``transport.TIME_BUCKETS`` (the header's bins) and count decoded
+The time histograms use ``protocol.layout.TIME_BUCKETS`` (the header's bins) and count decoded
 requests only: their ``_count`` is ``requests - failed``. Slots are claimed on demand (a quiet
 handle keeps one warm slot), so ``attached_clients`` counts clients that hold a slot, not every
 process that has attached. The registry also holds prometheus_client's standard ``process_*``,

@@ -5,7 +5,7 @@ thread. Lanes take turns as the dispatcher (leader/followers): a free lane takes
 lock and::
 
     waits on the ready doorbell (in slices; it reaps slots of dead clients on each tick)
-    takes req.I of each READY slot (the pairing operation; see transport.py)
+    takes req.I of each READY slot (the pairing operation; see protocol/segment.py)
     validates private copies of the headers, plans a batch (batching.py)
     copies and validates the ids the model will see, marks BUSY, holds the slots
 
@@ -19,7 +19,7 @@ being cut early), and a request never waits for a hand-off between threads. Slot
 or running batch are *held*: the reaper never touches them, so no slot is reclaimed or
 rewritten while a lane has it.
 
-Lifecycle: the constructor owns the name (transport.py: locks, not pids) and starts serving;
+Lifecycle: the constructor owns the name (protocol/locks.py: locks, not pids) and starts serving;
 ``serve_forever`` runs until ``stop()``, SIGINT or SIGTERM; then every lane finishes the batch it
 holds, the server stops serving (clients resubmit what is left, as after a crash: a rolling
 restart loses nothing), unlinks everything and releases the name.
@@ -112,7 +112,7 @@ class DecoderServer:
         metrics_port: serve Prometheus metrics on this TCP port (0: any free port; None: off).
             Needs the ``[metrics]`` extra (prometheus_client).
         metrics_host: the address the metrics endpoint binds to.
-        reserved: the name's lock descriptor from ``transport.reserve_name``, taken before
+        reserved: the name's lock descriptor from ``protocol.names.reserve_name``, taken before
             the model loaded; the segment is created on it (and it is released if creating
             the segment fails).
     """

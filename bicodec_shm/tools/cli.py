@@ -58,7 +58,7 @@ Exit status, so that it serves as a health probe (Docker HEALTHCHECK, a Kubernet
   1  nothing serves NAME: it is absent, starting, stopping, or its server died (the line printed
      on standard error says which, and what to do: start a server, or `bicodec-shm cleanup NAME`)
 With --watch it runs until interrupted, one line per interval."""
-# transport.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
+# protocol.segment.Segment.create refuses a longer --max-tokens; serve checks it before loading a model.
 MAX_TOKENS_LIMIT = MAX_FRAMES
 # How long `serve` waits for a live server under its name to stop before refusing (a rolling
 # restart: SIGTERM to the old server, which finishes its running batch, and a new `serve` at once).

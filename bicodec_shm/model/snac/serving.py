@@ -1,7 +1,7 @@
 """How the server decodes a batch of SNAC requests (``adapters.CodecAdapter`` for SNAC).
 
 Each row carries its own noise seed (and the frame its streaming window starts at) and may ask
-for no noise (``transport.FLAG_NO_NOISE``): the rows with noise and those without are decoded as
+for no noise (``protocol.layout.FLAG_NO_NOISE``): the rows with noise and those without are decoded as
 two batches, each exact (masking), so a row decodes the same whatever its batchmates want.
 """
 

@@ -423,6 +423,16 @@ MUTANTS: tuple[Mutant, ...] = (
       "index = np.arange(frames)[None, :] + np.asarray(delays)[:, None]",
       "index = np.arange(frames)[None, :] + np.asarray(delays)[:, None] + (np.asarray(delays)[:, None] > 0)",
       "tests/test_dac_serving.py", "-k", "dia_rows"),
+    # -- idle expiry apart from reclaimed slots ----------------------------------------------------
+    m("reaper-counts-idle-expiry-as-reclaimed", "the reaper counts an idle handle's warm slot as "
+      "reclaimed, like a dead client's (stats reads like a leak under healthy traffic)",
+      "bicodec_shm/server/reaping.py",
+      'idle = state == CLAIMED and int(f["owner_pid"][slot]) == 0', "idle = False",
+      "tests/test_server.py", "-k", "expired_not_reclaimed"),
+    m("rewarmed-slot-keeps-owner-pid-zero", "a handle that re-takes its warm slot leaves owner_pid 0: "
+      "dying with it then counts as an idle expiry", "bicodec_shm/protocol/attachment.py",
+      '            f["owner_pid"][slot] = os.getpid()  # held again (``_release`` zeroed it)\n', "",
+      "tests/test_server.py", "-k", "comes_back_before_the_reap"),
 )
 
 

@@ -52,6 +52,10 @@ def test_serve_then_stats_json_then_sigterm(shm_name, capsys):
     assert stats["requests"] == 1 and stats["slots"] == 8 and stats["max_tokens"] == 200
     assert stats["server_alive"] is True
     assert "avg batch size" in out.out
+    # The handle's warm slot is freed by its close or, if the reaper came first, expired: an
+    # idle handle is never a reclaim.
+    assert stats["reclaimed"] == 0 and stats["idle_slots_expired"] in (0, 1)
+    assert "reclaimed slots" in out.out and "idle slots expired" in out.out
     expected = seed_int16(single_decode(list(range(40)), list(range(32))))
     assert np.abs(seen["pcm"].astype(np.int32) - expected).max() <= 1
     assert leftover_objects(shm_name) == []

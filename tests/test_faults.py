@@ -109,7 +109,9 @@ def test_clients_killed_at_random_moments_50_times_never_wedge_anyone(start_serv
     assert healthy and set(healthy) == {"ok"}, healthy[-5:]
     _wait_all_free(shm_name, within=2.0)
     stats = stats_from_header(read_header(shm_name))
-    assert stats["reclaimed"] >= 50  # 50 clients x (1 or 2 slots)
+    # 50 clients killed mid-traffic x (1 or 2 slots they held); the healthy client's warm slot,
+    # let go of between its requests, counts apart (idle_slots_expired) if the reaper takes it.
+    assert stats["reclaimed"] >= 50
     assert stats["failed"] == 0
 
 

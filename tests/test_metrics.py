@@ -37,6 +37,7 @@ COUNTER_STATS = {
     "bicodec_shm_decoded_tokens_total": "tokens",
     "bicodec_shm_padded_tokens_total": "padded_tokens",
     "bicodec_shm_reclaimed_slots_total": "reclaimed",
+    "bicodec_shm_idle_slots_expired_total": "idle_slots_expired",
 }
 # Histograms and the header bins (and nanosecond sum) each one is made of.
 TIME_HISTOGRAMS = {
@@ -141,11 +142,12 @@ class _RawSlot:
 
 
 def _client_that_dies(name: str) -> int:
-    """A client process decodes one 20-token request and is SIGKILLed holding its slot."""
+    """A client process decodes one 20-token request, takes a slot for its next one and is
+    SIGKILLed holding it (idle, it would have let its slot go: an expiry, not a reclaim)."""
     code = (
         "import os, signal; from bicodec_shm.client.decoder_client import DecoderClient; "
         f"c = DecoderClient({name!r}); c.decode([1] * 20, [0] * 32); "
-        "os.kill(os.getpid(), signal.SIGKILL)"
+        "c._att.take_slot(float('inf')); os.kill(os.getpid(), signal.SIGKILL)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGKILL, out.stderr
@@ -176,6 +178,7 @@ def test_scrapes_during_and_after_load_match_the_requests_and_stats(start_server
         "bicodec_shm_requests": "counter", "bicodec_shm_request_failures": "counter",
         "bicodec_shm_batches": "counter", "bicodec_shm_decoded_tokens": "counter",
         "bicodec_shm_padded_tokens": "counter", "bicodec_shm_reclaimed_slots": "counter",
+        "bicodec_shm_idle_slots_expired": "counter",
         "bicodec_shm_lane_busy_seconds": "counter", "bicodec_shm_host_gap_seconds": "counter",
         "bicodec_shm_request_queue_time_seconds": "histogram",
         "bicodec_shm_request_latency_seconds": "histogram",
@@ -368,6 +371,19 @@ def test_port_zero_picks_a_free_port_that_close_releases(thread_server, shm_name
     assert server.metrics is None
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_an_idle_handles_expired_warm_slot_is_exported_apart_from_reclaimed_slots(thread_server, shm_name,
+                                                                                  parser):  # fmt: skip
+    server = thread_server(metrics_port=0, metrics_host="127.0.0.1", reap_interval=0.1)
+    seg = server.segment
+    with DecoderClient(shm_name) as client:
+        client.decode([3] * 30, [1] * 32)  # then idle: its one slot let go of, warm
+        wait_for(lambda: (seg.slots["state"] == FREE).all(), 10, "the warm slot to expire")
+        samples = _scrape(parser, server.metrics.url)
+    assert _get(samples, "bicodec_shm_idle_slots_expired_total") == 1
+    assert _get(samples, "bicodec_shm_reclaimed_slots_total") == 0
+    assert _get(samples, "bicodec_shm_attached_clients") == 0  # expired: the handle holds nothing
 
 
 def test_a_port_in_use_is_a_clear_error_and_leaves_nothing_behind(shm_name, parser):

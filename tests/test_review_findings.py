@@ -577,12 +577,13 @@ def test_14_a_request_sent_while_its_answer_is_being_rung_is_not_skipped(shm_nam
 
 
 def test_15_group_totals_count_only_members_that_serve():
-    member = {"requests": 5, "batches": 2, "failed": 0, "reclaimed": 0, "tokens": 50,
+    member = {"requests": 5, "batches": 2, "failed": 0, "reclaimed": 0, "idle_slots_expired": 1, "tokens": 50,
               "padded_tokens": 60, "slots": 4, "max_tokens": 100, "batch_size_histogram": {2: 2},
               "avg_batch_time_ms": 1.0, "avg_queue_wait_ms": 1.0, "avg_latency_ms": 2.0,
               "completed": 5}  # fmt: skip
     up = totals([member | {"server_alive": True}, member | {"server_alive": False}])
     assert up["members_up"] == 1 and up["requests"] == 5 and up["slots"] == 4
+    assert up["idle_slots_expired"] == 1 and up["reclaimed"] == 0
 
 
 # -- S2, S7 --------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -210,21 +212,65 @@ def test_dead_clients_slots_are_reclaimed(thread_server, shm_name):
         # The reaper may have taken back the handle's warm slot before these claims (its
         # quiescent handle let it go): count from here.
         "from bicodec_shm.protocol.header import stats_from_header; "
-        "before = stats_from_header(c._att.segment.header)['reclaimed']; "
-        "print(*held, *(int(c._att.segment.slots['generation'][s]) for s in held), before, flush=True); "
+        "st = stats_from_header(c._att.segment.header); "
+        "print(*held, *(int(c._att.segment.slots['generation'][s]) for s in held), st['reclaimed'], "
+        "st['idle_slots_expired'], flush=True); "
         "os.kill(os.getpid(), signal.SIGKILL)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGKILL, out.stderr
-    *held, gen_a, gen_b, before = (int(v) for v in out.stdout.split())
+    *held, gen_a, gen_b, before, expired_before = (int(v) for v in out.stdout.split())
     seg = server.segment
     deadline = time.monotonic() + 2.0
     while (seg.slots["state"] != SlotState.FREE).any():
         assert time.monotonic() < deadline, seg.slots["state"]
         time.sleep(0.02)
-    assert stats_from_header(seg.header)["reclaimed"] == before + 2
+    stats = stats_from_header(seg.header)
+    # Both were held by a client that died (one may be its warm slot, re-taken): reclaimed,
+    # never counted as an idle handle's expiry.
+    assert stats["reclaimed"] == before + 2
+    assert stats["idle_slots_expired"] == expired_before
     # The reaper bumped each claim epoch: a late result can never match a next owner.
     assert seg.slots["generation"][held].tolist() == [gen_a + 1, gen_b + 1]
+
+
+def test_an_idle_handles_warm_slot_is_counted_as_expired_not_reclaimed_and_logged_below_info(
+        thread_server, shm_name, caplog):  # fmt: skip
+    caplog.set_level(logging.DEBUG, logger="bicodec_shm.server")
+    server = thread_server(reap_interval=0.1)
+    seg = server.segment
+    with DecoderClient(shm_name) as client:
+        client.decode([1] * 20, [0] * 32)
+        assert client._att.warm is not None  # quiescent: its one slot let go of, warm
+        wait_for(lambda: (seg.slots["state"] == SlotState.FREE).all(), 10, "the warm slot to expire")
+        time.sleep(0.3)  # a few more reaper ticks: counted once
+        stats = stats_from_header(seg.header)
+        assert stats["idle_slots_expired"] == 1
+        assert stats["reclaimed"] == 0
+        logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bicodec_shm.server"]
+        assert not [m for lvl, m in logged if lvl >= logging.INFO and ("reclaimed" in m or "expired" in m)]
+        assert [m for level, m in logged if "expired" in m] == ["1 idle handle(s)' warm slot(s) expired"]
+        # The handle comes back after its slot expired: an ordinary claim.
+        assert client.decode([2] * 20, [0] * 32).shape == (20 * HOP,)
+        assert stats_from_header(seg.header)["reclaimed"] == 0
+
+
+def test_a_handle_that_comes_back_before_the_reap_holds_its_warm_slot_under_its_pid_again(
+        thread_server, shm_name):  # fmt: skip
+    server = thread_server(reap_interval=600)  # no tick during the test
+    seg = server.segment
+    with DecoderClient(shm_name) as client:
+        client.decode([1] * 20, [0] * 32)
+        warm, gen = client._att.warm
+        # Let go of, warm: still CLAIMED at its claim epoch, marked as nobody's.
+        assert seg.slots["state"][warm] == SlotState.CLAIMED and seg.slots["generation"][warm] == gen
+        assert seg.slots["owner_pid"][warm] == 0
+        slot, seq = client._att.take_slot(time.monotonic() + 10)
+        assert slot == warm and seg.slots["generation"][warm] == gen  # re-taken, not claimed anew
+        assert seg.slots["owner_pid"][warm] == os.getpid()
+        client._att.give(slot, seq)
+    stats = stats_from_header(seg.header)
+    assert stats["idle_slots_expired"] == stats["reclaimed"] == 0  # close freed it itself
 
 
 def test_second_server_under_a_live_name_is_refused(thread_server, shm_name):

@@ -9,12 +9,13 @@ the memory-ordering rule.
   slot of the segment (up to ``max_slots``), else waits, in short slices, for one to come
   free. The OFD lock on a claimed slot is its ownership; the kernel drops it if we die. A claim
   bumps the slot's claim epoch. When the attachment's last request finishes, every slot goes
-  back to the segment but one *warm* slot, which stays CLAIMED with its lock dropped: the next
-  request re-takes its lock if nobody touched it (same claim epoch), which is cheaper than a
-  claim and lets the server's rejoin window wait for us; and the server's reaper frees it at its
-  next tick otherwise, or at once when a claimer finds no FREE slot and says so (the header's
-  ``slot_wanted``, then a ``ready`` post). So an idle handle holds no slot for longer than a
-  reap interval, and idle workers never keep a new one out, nor make it wait for the tick.
+  back to the segment but one *warm* slot, which stays CLAIMED with its lock dropped and its
+  ``owner_pid`` 0: the next request re-takes its lock if nobody touched it (same claim epoch),
+  which is cheaper than a claim and lets the server's rejoin window wait for us; and the
+  server's reaper frees it (counting an idle expiry, not a reclaim) at its next tick otherwise,
+  or at once when a claimer finds no FREE slot and says so (the header's ``slot_wanted``, then
+  a ``ready`` post). So an idle handle holds no slot for longer than a reap interval, and
+  idle workers never keep a new one out, nor make it wait for the tick.
 - **A request is ``(slot, seq)``**: ``take_slot`` hands out both, and every later step (give
   back, let go, the answer's identity check) names both, so a step repeated by an interrupted
   caller can never touch the next request on the same slot.
@@ -483,7 +484,7 @@ class Attachment:
     def _release(self) -> None:
         """With no request of ours in flight: free every owned slot (transition 6) but the most
         recently used, which we let go of warm and keep in mind (see the module docstring: the
-        reaper frees it unless we come back first).
+        reaper frees it unless we come back first, and counts it as expired: its owner_pid is 0).
 
         Under the claim lock, like a claim: a claim in another thread of ours would "take" again
         a lock we are about to drop (our open file description holds it) and then own a slot
@@ -503,6 +504,10 @@ class Attachment:
                 for slot in order:
                     seg.free_slot(slot)
                     self.loose.discard(slot)
+                # owner_pid 0 marks the slot as let go of warm, for the reaper to count it
+                # as an idle expiry rather than a reclaim; written while the lock is still
+                # ours (an interruption before ``self.warm`` leaves it for _settle to free).
+                seg.field["owner_pid"][warm] = 0
                 self.warm = (warm, self.generation[warm])  # before the unlock: see _settle
                 seg.unlock_slot(warm)
                 self.loose.discard(warm)
@@ -521,6 +526,7 @@ class Attachment:
             return None  # the reaper, or a claimer after it, has it now
         f = seg.field
         if int(f["state"][slot]) == CLAIMED and int(f["generation"][slot]) == gen:
+            f["owner_pid"][slot] = os.getpid()  # held again (``_release`` zeroed it)
             self._book(slot, seq)
             return slot
         if int(f["state"][slot]) == FREE:

@@ -63,8 +63,8 @@ assert GROUP_DT.itemsize <= GROUP_SIZE
 _RESTARTS_OFF = GROUP_DT.fields["restarts"][1]
 _MEMBER_SUFFIX_RE = re.compile(r"\.[0-9]{1,3}$")
 # Counters summed over the members in a group's totals (the timing sums stay per member).
-_SUMMED = ("requests", "batches", "failed", "reclaimed", "tokens", "padded_tokens")
-assert set(_SUMMED) <= set(COUNTERS)
+_SUMMED = ("requests", "batches", "failed", "reclaimed", "idle_slots_expired", "tokens", "padded_tokens")
+assert set(_SUMMED) <= set(COUNTERS) | {"idle_slots_expired"}  # the stats name of ``expired``
 
 
 def member_names(name: str, n: int) -> tuple[str, ...]:

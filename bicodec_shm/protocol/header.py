@@ -154,6 +154,7 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
         "completed": completed,
         "failed_by_status": failed,
         "reclaimed": int(h["reclaimed"]),
+        "idle_slots_expired": int(h["expired"]),
         "tokens": tokens,
         "padded_tokens": padded,
         "padding_share": (padded - tokens) / padded if padded else 0.0,
@@ -171,6 +172,9 @@ def read_slot_owners(name: str) -> dict | None:
     """Who holds the slots of the segment ``name`` right now, from a private copy of its slot
     table: ``{"owned", "ready", "busy", "attached_clients"}`` (slots in every state but FREE,
     READY, BUSY; distinct client handles holding one). None if there is no valid segment.
+
+    Handles are told by ``handle_id``, not ``owner_pid``: an idle handle's warm slot (let go
+    of, ``owner_pid`` 0, until the reaper frees it) still counts for its handle.
 
     Read without pairing, like the counters: a snapshot for ``stats``, a moment old."""
     validate_name(name)

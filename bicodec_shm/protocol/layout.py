@@ -56,8 +56,9 @@ GROUP_MAGIC = 0x5052475F43444342  # b"BCDC_GRP" little-endian
 # object of zeros is not: it may be anybody's.)
 CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
 # 3: answers carry their request's identity; 4: the codec seam; 5: a SNAC request's start frame;
-# 6: a header describes up to 64 code levels (DAC 24 kHz has 32 codebooks)
-LAYOUT_VERSION = 6
+# 6: a header describes up to 64 code levels (DAC 24 kHz has 32 codebooks); 7: idle handles'
+# warm slots freed by the reaper are counted apart from reclaimed ones (``expired``)
+LAYOUT_VERSION = 7
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -170,6 +171,7 @@ HEADER_DT = np.dtype(
         ("latency_ns", "<u8"),  # submit -> result published, summed over requests
         ("host_gap_ns", "<u8"),  # a lane idle while decodable work waited for the host
         ("lane_busy_ns", "<u8"),  # lanes' time inside the decoder, summed over lanes
+        ("expired", "<u8"),  # idle handles' warm slots the reaper freed (``reclaimed``: the rest)
         ("batch_hist", "<u8", (HIST_BINS,)),
         ("failed_by_status", "<u8", (N_STATUS,)),
         ("queue_hist", "<u8", (N_TIME_BINS,)),  # per request, TIME_BUCKETS
@@ -191,9 +193,9 @@ HEADER_DT = np.dtype(
 )
 
 COUNTERS = ("requests", "batches", "failed", "reclaimed", "tokens", "padded_tokens",
-            "queue_wait_ns", "decode_ns", "latency_ns", "host_gap_ns", "lane_busy_ns")  # fmt: skip
+            "queue_wait_ns", "decode_ns", "latency_ns", "host_gap_ns", "lane_busy_ns", "expired")  # fmt: skip
 (C_REQUESTS, C_BATCHES, C_FAILED, C_RECLAIMED, C_TOKENS, C_PADDED, C_QUEUE_WAIT, C_DECODE,
- C_LATENCY, C_HOST_GAP, C_LANE_BUSY) = range(len(COUNTERS))  # fmt: skip
+ C_LATENCY, C_HOST_GAP, C_LANE_BUSY, C_EXPIRED) = range(len(COUNTERS))  # fmt: skip
 assert [HEADER_DT.fields[c][1] for c in COUNTERS] == [
     HEADER_DT.fields[COUNTERS[0]][1] + 8 * i for i in range(len(COUNTERS))
 ], "counters must be contiguous"
@@ -218,7 +220,9 @@ SLOT_DT = np.dtype(
         ("result_handle", "<u8"),
         ("result_generation", "<u8"),
         ("result_seq", "<u8"),
-        ("owner_pid", "<u8"),  # informational only: in the owner's own PID namespace
+        # Informational only (in the owner's own PID namespace); 0 on a slot an idle handle
+        # let go of warm, which the reaper counts as expired rather than reclaimed.
+        ("owner_pid", "<u8"),
         ("n_tokens", "<u4"),
         ("n_global", "<u4"),
         ("notify", "<u4"),  # bell to ring besides done.I, or NO_BELL

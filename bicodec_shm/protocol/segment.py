@@ -142,7 +142,7 @@ class Segment:
     The server creates it (``Segment.create``), clients attach (``Segment.attach``).
     ``close()`` runs in every process; ``unlink()`` only in the server that created it. Views:
 
-    - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (11,) u8;
+    - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (12,) u8;
       ``histograms``: queue, latency and decode histograms as one (3·N_TIME_BINS,) u8
     - ``slots``: (n_slots,) structured array (``SLOT_DT``); ``field[name]``: one field of it
     - ``tokens``: (n_slots, max_tokens·codes_per_frame) int32, every level's codes (see

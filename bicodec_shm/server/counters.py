@@ -14,6 +14,7 @@ import threading
 import numpy as np
 
 from ..protocol.layout import (
+    C_EXPIRED,
     C_FAILED,
     C_HOST_GAP,
     C_RECLAIMED,
@@ -59,7 +60,7 @@ class Counters:
         bins.append(2 * N_TIME_BINS + bisect.bisect_left(_BUCKETS, elapsed_ns))
         # Every counter of the batch in one add (C_* order).
         delta = np.array([rows, 1, 0, 0, tokens, rows * longest, queued_sum, elapsed_ns, latency_sum,
-                          0, elapsed_ns], np.uint64)  # fmt: skip
+                          0, elapsed_ns, 0], np.uint64)  # fmt: skip
         with self.lock:
             seg.counters += delta
             h = seg.histograms
@@ -77,8 +78,14 @@ class Counters:
             seg.header["failed_by_status"][min(int(status), N_STATUS - 1)] += 1
 
     def count_reclaimed(self, seg: Segment, reclaimed: int) -> None:
+        """Slots the reaper freed of clients that died or gave up on a request."""
         with self.lock:
             seg.counters[C_RECLAIMED] += reclaimed
+
+    def count_expired(self, seg: Segment, expired: int) -> None:
+        """Idle handles' warm slots the reaper freed (routine, apart from ``count_reclaimed``)."""
+        with self.lock:
+            seg.counters[C_EXPIRED] += expired
 
     def lane_started(self, seg: Segment, host_gap_ns: int) -> None:
         """A lane starts a batch after the device waited ``host_gap_ns`` for the host."""

@@ -17,7 +17,8 @@ Metrics (Triton's and vLLM's conventions: counters end in ``_total``, times are 
       bicodec_shm_batches_total                       forward passes published
       bicodec_shm_decoded_tokens_total                semantic tokens decoded (no padding)
       bicodec_shm_padded_tokens_total                 token positions computed (rows x longest)
-      bicodec_shm_reclaimed_slots_total               slots taken back from dead clients
+      bicodec_shm_reclaimed_slots_total               slots taken back from clients that died or gave up
+      bicodec_shm_idle_slots_expired_total            idle handles' warm slots freed (routine)
       bicodec_shm_lane_busy_seconds_total             lanes' time inside the decoder, summed
       bicodec_shm_host_gap_seconds_total              a lane idle while work waited for the host
     histograms
@@ -122,8 +123,11 @@ def metric_families(header: np.ndarray, state: np.ndarray, handle_id: np.ndarray
     counter("bicodec_shm_padded_tokens_total",
             "Token positions the decoder computed (rows x longest row per batch), padding included.",
             int(h["padded_tokens"]))  # fmt: skip
-    counter("bicodec_shm_reclaimed_slots_total", "Slots taken back from clients that died.",
-            int(h["reclaimed"]))  # fmt: skip
+    counter("bicodec_shm_reclaimed_slots_total", "Slots taken back from clients that died or gave up "
+            "on a request (a timeout, a cancelled coroutine, Ctrl-C).", int(h["reclaimed"]))  # fmt: skip
+    counter("bicodec_shm_idle_slots_expired_total",
+            "Idle handles' warm slots freed after the reap interval (routine; not a leak).",
+            int(h["expired"]))  # fmt: skip
     counter("bicodec_shm_lane_busy_seconds_total", "Time the decode lanes spent in the decoder, summed "
             "over lanes.", seconds["lane_busy_ns"])  # fmt: skip
     counter("bicodec_shm_host_gap_seconds_total", "Time a lane sat idle while decodable work waited "

@@ -4,6 +4,11 @@ A live owner holds its slot's lock for as long as it owns the slot (protocol/loc
 server can take that lock, the owner is gone (the kernel dropped the lock when it died), or let
 the slot go without freeing it (an idle client's warm slot, a request that timed out). Slots
 held by a planned or running batch are left alone until their result is published.
+
+Two counters tell these apart. An idle handle's warm slot (CLAIMED, ``owner_pid`` 0: the
+client zeroes it as it lets go, attachment.py) is an *expiry*: routine under healthy traffic,
+counted in ``expired`` and logged at DEBUG. Every other slot freed here is *reclaimed*: its
+client died holding it, or gave up on a request (a timeout, a cancelled coroutine, Ctrl-C).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..protocol.layout import DONE, FREE, Status
+from ..protocol.layout import CLAIMED, DONE, FREE, Status
 from ..protocol.segment import Segment, drain
 from .counters import Counters
 
@@ -24,14 +29,15 @@ log = logging.getLogger("bicodec_shm.server")
 def reap_dead_owners(seg: Segment, held_lock: threading.Lock, held: dict[int, int], confirmed: dict[int, int],
                      *, answer_failure: Callable[..., None], counters: Counters,
                      asked: bool = False) -> int:  # fmt: skip
-    """Reclaim every slot nobody holds; returns how many were reclaimed.
+    """Free every slot nobody holds; returns how many were freed (reclaimed and expired).
 
     Args:
         held_lock, held: the server's slots in planned or running batches (slot -> the seen ns
             of the request that holds it), and their lock.
         confirmed: the server's confirmed requests (slot -> seen ns); a reclaimed slot leaves it.
         answer_failure: ``answer_failure(slot, status, message)`` answers a slot with an error.
-        asked: a claimer asked for a slot (logged at DEBUG: routine under many idle handles).
+        asked: a claimer asked for a slot (reclaims logged at DEBUG too: routine under many
+            idle handles).
     """
     f = seg.field
     with held_lock:
@@ -42,7 +48,7 @@ def reap_dead_owners(seg: Segment, held_lock: threading.Lock, held: dict[int, in
         if slot not in held_now:
             state = int(f["state"][slot])
             answer_failure(slot, Status.BAD_STATE, f"slot {slot} has unknown state value {state}")
-    reclaimed = 0
+    reclaimed = expired = 0
     # Under the held lock throughout: a lane answers a held slot (DONE, post) and lets go
     # of it in one step under this lock (``_release_and_ring``), so every slot freed here
     # has had its last write and post from the server.
@@ -50,9 +56,13 @@ def reap_dead_owners(seg: Segment, held_lock: threading.Lock, held: dict[int, in
         for slot in np.flatnonzero(f["state"] != FREE).tolist():
             if slot in held or not seg.try_lock_slot(slot):
                 continue  # in a batch, or its owner is alive
-            if f["state"][slot] == FREE:
+            state = int(f["state"][slot])
+            if state == FREE:
                 seg.unlock_slot(slot)  # given back between the scan and the lock
                 continue
+            # Read under its lock, before free_slot zeroes it: an idle handle zeroed it as it
+            # let go of the slot warm; a client that held it (alive or dead) left its pid.
+            idle = state == CLAIMED and int(f["owner_pid"][slot]) == 0
             f["generation"][slot] += 1  # a late result can never match the next owner
             confirmed.pop(slot, None)
             try:
@@ -60,11 +70,15 @@ def reap_dead_owners(seg: Segment, held_lock: threading.Lock, held: dict[int, in
                 drain(seg.done(slot))
             finally:
                 seg.free_slot(slot)
-            reclaimed += 1
+            if idle:
+                expired += 1
+            else:
+                reclaimed += 1
     if reclaimed:
         counters.count_reclaimed(seg, reclaimed)
-        # Not only the dead: an idle client leaves one warm slot unlocked (attachment.py),
-        # and a request that timed out lets go of its slot; both come back here.
         log.log(logging.DEBUG if asked else logging.INFO,
-                "reclaimed %d slot(s) nobody holds (a client died, timed out, or went idle)", reclaimed)
-    return reclaimed
+                "reclaimed %d slot(s) of clients that died or gave up on a request", reclaimed)
+    if expired:
+        counters.count_expired(seg, expired)
+        log.debug("%d idle handle(s)' warm slot(s) expired", expired)
+    return reclaimed + expired

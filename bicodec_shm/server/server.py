@@ -683,7 +683,8 @@ class DecoderServer:
         return int(seg.header["slot_wanted"])
 
     def reap(self, *, asked: bool = False) -> int:
-        """Reclaim slots whose owner died (reaping.py); returns how many were reclaimed.
+        """Free the slots nobody holds (reaping.py): reclaimed from clients that died or gave
+        up on a request, expired from idle handles; returns how many were freed.
 
         ``asked``: a claimer asked for a slot. What such a reap frees is mostly idle handles'
         warm slots, routine under many handles: counted, logged at DEBUG only."""

@@ -261,6 +261,7 @@ def stats_rows(stats: dict) -> list[tuple[str, object]]:
         ("tokens (padded)", f"{stats['tokens']} ({stats['padded_tokens']})"),
         ("host gap", f"{stats['host_gap_ms']:.1f} ms (lanes idle while decodable work waited for the host)"),
         ("reclaimed slots", f"{stats['reclaimed']} (of clients that died or gave up)"),
+        ("idle slots expired", f"{stats['idle_slots_expired']} (idle handles' warm slots: routine)"),
         ("batch sizes", " ".join(f"{b}:{n}" for b, n in stats["batch_size_histogram"].items()) or "-"),
     ]
     return rows

@@ -67,7 +67,7 @@ TIMEOUT = 10.0  # seconds for any one client step; the no-op server answers in m
 STEPS = (
     ("take (a batch from the slot table)", 0, "server", "_take"),
     ("confirm and validate", 1, "server", "_scan"),
-    ("plan", 1, "module", "plan_batch"),
+    ("plan", 1, "planner", "plan"),
     ("gather", 1, "module", "gather"),
     ("lane started (counters)", 0, "server", "_lane_started"),
     ("launch", 0, "runner", "launch"),
@@ -88,8 +88,10 @@ class _Rig:
         self.name = random_name("bcshm-cpu")
         self.batch = batch
         self.server = DecoderServer(_NoopDecoder(), self.name, slots=max(8, batch), max_batch=batch,
-                                    max_wait_ms=0, rejoin_ms=0,
+                                    max_wait_ms=0, rejoin_ms=0, batching="static",
                                     max_batch_tokens=DEFAULT_CUDA_MAX_BATCH_TOKENS)  # fmt: skip
+        # batching="static": every batch of B, as asked (a no-op decoder's batches would measure
+        # as not paying, and the server would decode the rows alone).
         try:
             self.runner = Runner(self.server.decoder, self.server.device)
             if wrap is not None:  # before the lane binds the server's methods
@@ -156,7 +158,7 @@ def _timers(spent: dict[str, int]) -> Iterator[Callable[[Any, Any], None]]:
             setattr(server_module, attr, timed(label, saved[attr]))
 
     def wrap(server: DecoderServer, runner: Runner) -> None:
-        owners = {"server": server, "runner": runner, "adapter": runner.adapter}
+        owners = {"server": server, "runner": runner, "adapter": runner.adapter, "planner": server._planner}
         for label, _, where, attr in STEPS:
             if where in owners:
                 setattr(owners[where], attr, timed(label, getattr(owners[where], attr)))

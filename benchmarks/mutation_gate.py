@@ -392,7 +392,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_batch_costs.py", "-k", "side_by_side"),
     m("dispatch-idle-not-charged", "waiting for the clients is judged as if the device never idled",
       "bicodec_shm/server/dispatch_policy.py",
-      "idle = turnaround + (self.host_ns if self.pipelined else 0.0)", "idle = 0.0",
+      "idle = turnaround + (host if self.pipelined else 0.0)", "idle = 0.0",
       "tests/test_dispatch_policy.py", "-k", "turnaround or small_fixed"),
     m("dispatch-flag-overridden", "dispatch='pipeline' or 'wait' is overridden by the measurement",
       "bicodec_shm/server/dispatch_policy.py", 'if self.mode != "auto":', "if False:",

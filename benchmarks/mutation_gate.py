@@ -264,7 +264,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "            seg.wait(seg.free, timeout)",
       "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick and sync"),
     m("no-bell-polls-at-the-slice", "_claim_bell returns NO_BELL but leaves self.bell None: the waiter "
-      "sleeps whole 100 ms slices", "bicodec_shm/protocol/attachment.py",
+      "sleeps whole 100 ms slices", "bicodec_shm/protocol/async_answers.py",
       "                self.bell = NO_BELL\n                return NO_BELL",
       "                return NO_BELL",
       "tests/test_waiting_latency.py", "-k", "no_bell"),

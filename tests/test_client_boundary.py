@@ -141,7 +141,7 @@ def _gone_once(monkeypatch, cls, method: str, *, after: bool = False) -> list[st
     import inspect
 
     from bicodec_shm.errors import ServerUnavailableError
-    from bicodec_shm.protocol.attachment import Gone
+    from bicodec_shm.protocol.waiting import Gone
 
     original = getattr(cls, method)
     fired: list[str] = []

@@ -53,12 +53,13 @@ from ..codecs.layout import (
 from ..codecs.orpheus import AUDIO_TOKEN_BASE, orpheus_to_codes
 from ..codecs.validation import SLOT_LIMIT, as_token_array, output_dtype_code
 from ..errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
-from ..protocol.attachment import SLICE, Attachment, Gone
+from ..protocol.attachment import Attachment
 from ..protocol.group import read_group
 from ..protocol.header import stats_from_header
 from ..protocol.layout import FLAG_NO_NOISE, N_GLOBAL, NO_BELL
 from ..protocol.names import ServerState, probe, validate_name
 from ..protocol.served import describe_served
+from ..protocol.waiting import SLICE, Gone
 from .router import GroupRouter
 
 DEFAULT_TIMEOUT = 30.0

@@ -12,9 +12,10 @@ import time
 import numpy as np
 
 from ..errors import BiCodecShmError, SegmentError, ServerUnavailableError
-from ..protocol.attachment import SLICE, Attachment, Gone
+from ..protocol.attachment import Attachment
 from ..protocol.group import GroupInfo, group_stats, read_group
 from ..protocol.layout import BUSY, READY
+from ..protocol.waiting import SLICE, Gone
 
 
 class GroupRouter:

@@ -8,6 +8,8 @@ posix_ipc only.
     segment.py      ``Segment``: the mapped views, the semaphores, the slot state machine
     semwait.py      timed semaphore waits that let a signal handler's exception through
     attachment.py   one client's attachment to one server incarnation: slots, requests, answers
+    async_answers.py  an attachment's asyncio requests: one bell and one waiter thread
+    waiting.py      what a waiting client thread uses: the slice, the wake-up list, ``Gone``
     slot_io.py      the server's side of a slot: confirm and copy requests, publish answers
     group.py        a server group's record under the group's name, and its live counters
     served.py       what is served under which name in /dev/shm (for error messages)

@@ -21,10 +21,8 @@ the memory-ordering rule.
   caller can never touch the next request on the same slot.
 - **Synchronous requests** wait on their slot's own ``done`` semaphore (through semwait.py, so
   a signal handler's exception reaches the caller).
-- **asyncio requests** ask the server to ring this attachment's *bell* besides ``done``. One
-  waiter thread per attachment sleeps on the bell, then takes ``done`` of each pending slot
-  (the pairing read) and resolves futures with ``loop.call_soon_threadsafe``: no thread per
-  request, and the event loop never blocks. The bell and the thread go away when idle.
+- **asyncio requests** ask the server to ring this attachment's *bell* besides ``done``: one
+  waiter thread per attachment resolves their futures (async_answers.py).
 - **Letting go.** A request nobody waits for any more (its timeout, a cancelled coroutine,
   Ctrl-C, an exception from a signal handler) *lets go* of its slot: it drops the slot's lock
   and forgets it. The server's reaper frees the slot once no batch holds it, after the
@@ -56,19 +54,18 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import numpy as np
 import posix_ipc
 
 from ..codecs.layout import DEFAULT_NOISE_SEED
 from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
-from .layout import CLAIMED, FREE, NO_BELL, READY, OutputDtype, Phase, Status
+from .async_answers import AsyncAnswers, resolve
+from .layout import CLAIMED, FREE, READY, OutputDtype, Phase, Status
 from .segment import Segment, drain
+from .waiting import SLICE, Gone, Wakeups
 
-SLICE = 0.1  # seconds a waiter sleeps before checking that its server still serves
 _FLOAT32 = int(OutputDtype.FLOAT32)
-_BELL_IDLE = 2.0  # seconds without async requests before the waiter thread and bell go away
 
 
 class _User:
@@ -77,15 +74,7 @@ class _User:
     __slots__ = ("__weakref__",)
 
 
-class Gone(Exception):
-    """Internal: this attachment's server went away; re-attach and resubmit.
-
-    Never reaches a caller: ``DecoderClient`` catches it and turns it into a retry, or into
-    ``ServerUnavailableError`` at the deadline.
-    """
-
-
-class Attachment:
+class Attachment(AsyncAnswers):
     """The mapped segment of one server incarnation and what this process owns in it.
 
     Args:
@@ -110,7 +99,7 @@ class Attachment:
         self.handle_id = secrets.randbits(63)
         self.seq = itertools.count(1)
         self.lock = threading.Lock()
-        self.changed = _Wakeups()  # a slot came back, or users dropped (under ``lock``)
+        self.changed = Wakeups()  # a slot came back, or users dropped (under ``lock``)
         self.owned: set[int] = set()  # slots whose lock we hold, each in use or idle
         self.idle: list[int] = []  # a hint: owned slots not in use, the most recently used last
         self.warm: tuple[int, int] | None = None  # (slot, claim epoch) let go of while warm
@@ -413,7 +402,7 @@ class Attachment:
             self.idle.append(slot)
             self.changed.notify_all()
             if self.async_slot_waiters:
-                _resolve(*self.async_slot_waiters.popleft(), None, True)
+                resolve(*self.async_slot_waiters.popleft(), None, True)
                 return
             quiescent = not self.using and not self.claimers
         if quiescent:
@@ -623,121 +612,6 @@ class Attachment:
             f["state"][slot] = CLAIMED  # transition 5: the server is done with this request
             self.give(slot, seq)
 
-    # -- asyncio requests ------------------------------------------------------------------
-
-    def _claim_bell(self) -> int:
-        with self.use() as seg:
-            with self.lock:
-                if self.bell is not None:
-                    return self.bell
-                for index in random.sample(range(self.n_slots), self.n_slots):
-                    if seg.try_lock_bell(index):
-                        drain(seg.bell(index))
-                        self.bell = index
-                        return index
-                # Every bell is taken: the waiter polls instead (rare). Recorded, so that it
-                # polls at its short interval while requests are pending (see _sleep_on_bell);
-                # it forgets NO_BELL when it goes idle, and the next request tries again.
-                self.bell = NO_BELL
-                return NO_BELL
-
-    def register(self, slot: int, seq: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> int:
-        """Expect the answer to asyncio request ``seq`` in ``slot``; returns the bell the
-        server must ring. The bell is claimed before the request is registered, so a failure
-        (the server gone) leaves no future behind; registered before the waiter is started,
-        so that the waiter thread (which only goes idle with nothing pending) cannot give the
-        bell back under us."""
-        bell = self.bell
-        if bell is None:
-            bell = self._claim_bell()
-        with self.lock:
-            if self.retired is not None:
-                raise self._retired_error()
-            self.pending[slot] = (seq, loop, future)
-            bell = self.bell if self.bell is not None else bell
-        self._ensure_waiter()
-        return bell
-
-    def forget_pending(self, slot: int, seq: int) -> None:
-        """An asyncio request was cancelled or timed out: let go of its slot, unless its
-        answer was already taken (then the slot went back with it)."""
-        with self.lock:
-            entry = self.pending.get(slot)
-            if entry is None or entry[0] != seq:
-                return
-            del self.pending[slot]
-        self.let_go(slot, seq)
-
-    def _ensure_waiter(self) -> None:
-        with self.lock:
-            if self.retired is not None or (self.waiter is not None and self.waiter.is_alive()):
-                return
-            self.waiter = threading.Thread(target=self._wait_loop, daemon=True,
-                                           name=f"bicodec-shm-waiter:{self.name}")  # fmt: skip
-            self.waiter.start()
-
-    def _wait_loop(self) -> None:
-        idle_since = time.monotonic()
-        while True:
-            with self.lock:
-                if self.retired is not None:
-                    return
-                if self.pending:
-                    idle_since = time.monotonic()
-                elif time.monotonic() - idle_since > _BELL_IDLE:
-                    # Give the bell back under the lock, so that a new request cannot claim
-                    # the same bell in between and then lose it to this unlock.
-                    if self.bell not in (None, NO_BELL) and self.segment is not None:
-                        self.segment.unlock_bell(self.bell)
-                    self.bell = None
-                    self.waiter = None
-                    return
-                bell = self.bell
-            try:
-                woke = self._sleep_on_bell(bell)
-                self._collect()
-            except Gone:
-                self.retire_gone()
-                return
-            if not woke and not self.serving():
-                self.retire_gone()
-                return
-
-    def _sleep_on_bell(self, bell: int | None) -> bool:
-        if bell in (None, NO_BELL):
-            # No request pending, or no bell to be had: a slow poll is enough.
-            time.sleep(SLICE if bell is None else SLICE / 10)
-            return False
-        with self.use() as seg:
-            try:
-                seg.bell(bell).acquire(SLICE)  # a worker thread: no signal handler runs here
-                return True
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                return False
-
-    def _collect(self) -> None:
-        """Take the answer of every pending slot whose ``done`` was posted."""
-        with self.lock:
-            watched = list(self.pending.items())
-        if not watched:
-            return
-        with self.use() as seg:
-            for slot, (seq, loop, future) in watched:
-                try:
-                    seg.done(slot).acquire(0)
-                except posix_ipc.BusyError:
-                    continue
-                if not self.is_answer(seg, slot, seq):
-                    continue  # a stale post; the real answer is still to come
-                with self.lock:
-                    if self.pending.get(slot, (None,))[0] != seq:
-                        continue  # let go of meanwhile (cancelled): its slot is not ours
-                    del self.pending[slot]
-                try:
-                    _resolve(loop, future, self.take_result(seg, slot, seq), True)
-                except DecodeError as exc:
-                    _resolve(loop, future, exc, False)
-
     # -- retiring ---------------------------------------------------------------------------
 
     def retire(self, reason: BaseException) -> None:
@@ -752,9 +626,9 @@ class Attachment:
             self.changed.notify_all()
             unused = not self.users
         for _, loop, future in pending:
-            _resolve(loop, future, self._retired_error(), False)
+            resolve(loop, future, self._retired_error(), False)
         for loop, future in slot_waiters:
-            _resolve(loop, future, None, True)
+            resolve(loop, future, None, True)
         if unused:
             self._unmap()
 
@@ -811,39 +685,6 @@ class Attachment:
             seg.close()
 
 
-class _Wakeups:
-    """Threads waiting for a change of the attachment (a slot of ours back, the last user
-    gone), woken by whoever makes it. Every method is called with the attachment's lock held.
-
-    Not ``threading.Condition``: its ``wait`` releases the lock it waits with and re-takes it
-    in Python code, where a signal handler's exception can land between the two (after the
-    release, before its ``try``; or in the re-take). The caller's ``with`` then releases the
-    lock a second time, dropping another thread's hold under it (mutual exclusion gone, and
-    that thread's own release raises ``RuntimeError``), or the lock ends up held by nobody.
-    Here each waiter sleeps on a lock of its own, outside the attachment's lock, which is only
-    ever taken with ``with``."""
-
-    def __init__(self) -> None:
-        self.waiters: list[threading.Lock] = []
-
-    def add(self) -> threading.Lock:
-        waiter = threading.Lock()
-        waiter.acquire()  # released once, by the ``notify_all`` that takes it off the list
-        self.waiters.append(waiter)
-        return waiter
-
-    def discard(self, waiter: threading.Lock) -> None:
-        if waiter in self.waiters:
-            self.waiters.remove(waiter)
-
-    def notify_all(self) -> None:
-        # Off the list first, then released: each waiter exactly once, even if this is cut
-        # short (one not released yet wakes at its timeout, a slice at most).
-        waiters, self.waiters = self.waiters, []
-        for waiter in waiters:
-            waiter.release()
-
-
 def _ask_for_a_slot(seg: Segment) -> None:
     """Tell the server that a claimer found no FREE slot, so that it reaps at once (idle
     handles' warm slots come back only through the reaper) instead of at its next tick.
@@ -853,18 +694,3 @@ def _ask_for_a_slot(seg: Segment) -> None:
     the server (a wake-up only; the server reads the value after draining it)."""
     seg.header["slot_wanted"] = secrets.randbits(63) | 1
     seg.ready.release()
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, ok: bool) -> None:
-    def apply() -> None:
-        if future.done():
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    try:
-        loop.call_soon_threadsafe(apply)
-    except RuntimeError:
-        pass  # that event loop is closed

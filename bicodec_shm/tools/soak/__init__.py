@@ -72,11 +72,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..client.decoder_client import STOP_GRACE
-from ..deploy.processes import serve_command, stop_server, wait_until_serving
-from ..protocol.header import read_header
-from ..protocol.layout import SlotState
-from ..protocol.names import ServerState, leftover_objects, probe, random_name, unlink_all
+from ...client.decoder_client import STOP_GRACE
+from ...deploy.processes import serve_command, stop_server, wait_until_serving
+from ...protocol.header import read_header
+from ...protocol.layout import SlotState
+from ...protocol.names import ServerState, leftover_objects, probe, random_name, unlink_all
 
 
 @dataclass
@@ -123,11 +123,11 @@ class SoakResult:
 
 # -- the client process ------------------------------------------------------------------
 
-# Where injected exceptions land: the package's own code (this harness excluded), and the
-# standard library's Python code it runs (its locks' conditions, its context managers), where a
-# signal lands as well as anywhere.
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_HARNESS = os.path.abspath(__file__)
+# Where injected exceptions land: the package's own code (this harness, every module of the
+# soak's folder, excluded), and the standard library's Python code it runs (its locks'
+# conditions, its context managers), where a signal lands as well as anywhere.
+_HARNESS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _INJECTED = (_PACKAGE, threading.__file__, contextlib.__file__)
 # Injection points (``_Injector``) that one call passes, about (measured on CPython 3.11: a warm
 # decode 170, a churn cycle of attach, decode and close 510; more when a call waits or
@@ -214,7 +214,7 @@ class _Injector:
                 in_finalizer[0] += 1
                 return finalizer
             path = frame.f_code.co_filename
-            if in_finalizer[0] or not path.startswith(_INJECTED) or path == _HARNESS:
+            if in_finalizer[0] or not path.startswith(_INJECTED) or path.startswith(_HARNESS):
                 return None
             frame.f_trace_opcodes = True
             code = frame.f_code.co_code
@@ -253,7 +253,7 @@ class _Injector:
 def _outcome(exc: BaseException) -> str:
     import asyncio
 
-    from ..errors import BiCodecShmError, DecodeTimeoutError
+    from ...errors import BiCodecShmError, DecodeTimeoutError
 
     if isinstance(exc, DecodeTimeoutError):
         return "T"  # a request nobody answered, or a slot nobody freed: lost
@@ -283,7 +283,7 @@ def client_main(argv: list[str]) -> int:
     import signal
     import warnings
 
-    from ..client.decoder_client import DecoderClient
+    from ...client.decoder_client import DecoderClient
 
     name, pool_path, log_path, seed, stop_file, forks_path, options = argv
     opt = json.loads(options)
@@ -307,7 +307,7 @@ def client_main(argv: list[str]) -> int:
     stacks = open(log_path + ".stacks", "a")
     faulthandler.register(signal.SIGQUIT, file=stacks, all_threads=True)
     if opt["garbage_share"]:
-        from ..protocol import attachment
+        from ...protocol import attachment
 
         attachment.time = _GarbageClock(opt["garbage_share"])  # what submit() writes as t_submit_ns
     out = _Log(log_path)
@@ -593,10 +593,10 @@ class _OwnershipProbe:
         self.inode: tuple[int, int] | None = None
 
     def unlocked_owned(self, client) -> list[int]:
-        from ..errors import BiCodecShmError
-        from ..protocol.attachment import Gone
-        from ..protocol.layout import SLOT_BYTE0
-        from ..protocol.locks import held_elsewhere
+        from ...errors import BiCodecShmError
+        from ...protocol.attachment import Gone
+        from ...protocol.layout import SLOT_BYTE0
+        from ...protocol.locks import held_elsewhere
 
         att = getattr(client, "_att", None)
         if att is None:
@@ -641,7 +641,7 @@ def probe_main(argv: list[str]) -> int:
     """``python -m bicodec_shm.tools.soak probe NAME POOL TIMEOUT``: a fresh client in a process of
     its own decodes a few pool requests; exit 0 if every answer is the request's own, 1 if one
     is wrong, 2 if a call failed (printed)."""
-    from ..client.decoder_client import DecoderClient
+    from ...client.decoder_client import DecoderClient
 
     name, pool_path, timeout = argv
     with np.load(pool_path) as z:
@@ -666,7 +666,7 @@ def make_pool(path: str, *, preset: str, seed: int, size: int, max_len: int) -> 
     """Random requests and their lone, unpadded decodes (the ground truth)."""
     import torch
 
-    from ..model import BiCodecDecoder
+    from ...model import BiCodecDecoder
 
     model = BiCodecDecoder.from_config(preset, seed=seed)
     rng = np.random.default_rng(seed)
@@ -986,7 +986,7 @@ def _start(cmd: list[str]) -> subprocess.Popen:
 def _leaked_slots(name: str, wait: float) -> int:
     """Slots still owned, plus bells still locked, once every client has exited and the reaper
     had ``wait`` seconds."""
-    from ..protocol.segment import Segment
+    from ...protocol.segment import Segment
 
     deadline = time.monotonic() + wait
     with Segment.attach(name) as seg:
@@ -1120,7 +1120,3 @@ def run_and_report(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(asdict(result), f, indent=2)
     return 0 if result.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -80,6 +80,11 @@ def test_soak_help_shows_every_default_and_the_defaults_are_the_full_fault_mix(c
 # -- the soak's own instruments ------------------------------------------------------------------
 
 
+def _package_file(soak) -> str:
+    """A file name in the package outside the soak's folder (which the injector leaves alone)."""
+    return os.path.join(os.path.dirname(os.path.dirname(soak.__file__)), "attachment.py")
+
+
 def test_injected_exceptions_land_only_where_cpython_runs_signal_handlers_and_reach_every_one():
     """The injector raises at each of its points in turn: a ``with lock`` block is left locked
     by none (CPython delivers no exception between a block's last statement and its
@@ -98,7 +103,7 @@ def test_injected_exceptions_land_only_where_cpython_runs_signal_handlers_and_re
             pass
         return slot
 
-    step.__code__ = step.__code__.replace(co_filename=soak.__file__.replace("soak.py", "attachment.py"))
+    step.__code__ = step.__code__.replace(co_filename=_package_file(soak))
 
     class Exactly:  # picks point k, then never
         def __init__(self, k: int) -> None:
@@ -183,7 +188,7 @@ def test_no_exception_is_injected_into_a_finalizer_that_the_collector_runs_durin
     injector leaves finalizers alone; pytest turns a dropped one into a failure."""
     from bicodec_shm.tools import soak
 
-    package_file = soak.__file__.replace("soak.py", "attachment.py")
+    package_file = _package_file(soak)
     finalized = []
 
     class Handle:

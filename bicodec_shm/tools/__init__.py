@@ -5,6 +5,6 @@
     stats_cmd.py    ``bicodec-shm stats``
     decode_cmd.py   ``bicodec-shm decode``
     demo.py         ``bicodec-shm demo``: a server and client processes, checked
-    soak.py         ``bicodec-shm soak``: long runs with kills and faults, every answer checked
+    soak/           ``bicodec-shm soak``: long runs with kills and faults, every answer checked
     bench/          ``bicodec-shm bench``: the shared server against the alternatives
 """

@@ -89,6 +89,16 @@ def test_where_no_row_would_join_it_does_not_wait():
     assert not _decide(_policy(pipelined=False), NO_BATCHING, [50], [50] * 3)
 
 
+def test_a_batch_that_no_joining_row_would_grow_plans_now_without_a_vote():
+    """A long row ready, short clients coming: they could not join it (min_fill), so this batch
+    goes now; but it casts no vote, and the next batch of equal lengths still waits."""
+    policy = _policy(pipelined=False)
+    assert not _decide(policy, MODERN, [278], [40, 42, 45])
+    assert (policy.decisions, policy.history) == (0, [])
+    assert _decide(policy, MODERN, [50] * 2, [50] * 2)  # the next decision is a vote, for waiting
+    assert policy.decisions == 1 and policy.history[-1].wait
+
+
 def test_clients_that_do_not_come_back_within_the_window_are_not_waited_for():
     # 1 of 8 would join: a batch of 9 after the idle does not beat 8 now and 1 behind them.
     assert not _decide(_policy(back=0.1), MODERN, [50] * 8, [50] * 8)

@@ -219,6 +219,11 @@ class DispatchPolicy:
         now /= len(first) + len(second)
         # Waiting: the idle, then B' from all of them, then B'2 from what B' leaves.
         merged = predict(lengths, seen)
+        if len(merged) <= len(first):
+            # No joining row would make the first batch larger (a long row that short ones may
+            # not join, say): plan now, without a vote. This batch says nothing about whether
+            # waiting pays for the next ones, and as a vote it would hold the lane to "now".
+            return self._act(False)
         left = _others(len(lengths), merged)
         after = left[predict(lengths[left], seen[left])] if len(left) else left
         waited = idle + self._cost(fit, lengths[merged]) + self._cost(fit, lengths[after])

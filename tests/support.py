@@ -216,14 +216,18 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "a condition") -> Non
         time.sleep(0.005)
 
 
-def submitted_requests(segment) -> int:
+def submitted_requests(segment, server=None) -> int:
     """Requests a server holds or can read now: BUSY slots, and READY slots whose ``req.I`` is
-    posted (the client's last step of a submit). Read from the shared table and semaphores."""
+    posted (the client's last step of a submit). Read from the shared table and semaphores.
+    With ``server`` (one in this process), READY slots it confirmed (took ``req.I``) but has not
+    batched yet count too: a server that batches only where it pays may leave them waiting."""
     from bicodec_shm.protocol.layout import BUSY, READY
 
     states = segment.slots["state"]
     ready = np.flatnonzero(states == READY).tolist()
-    return int((states == BUSY).sum()) + sum(segment.req(slot).value > 0 for slot in ready)
+    confirmed = server._confirmed.copy() if server is not None else {}  # one step under the GIL
+    return int((states == BUSY).sum()) + sum(segment.req(slot).value > 0 or slot in confirmed
+                                             for slot in ready)  # fmt: skip
 
 
 def wait_submitted(segment, count: int, timeout: float = 30.0) -> None:

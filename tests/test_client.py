@@ -135,7 +135,7 @@ def test_200_concurrent_coroutines_all_complete_correctly(thread_server, shm_nam
         # Every call has started (at the first await) and waits: eight are submitted (the
         # decoder is gated), the others wait for those eight slots.
         deadline = time.monotonic() + 30
-        while submitted_requests(server.segment) < 8:
+        while submitted_requests(server.segment, server) < 8:
             assert time.monotonic() < deadline, server.segment.slots["state"]
             await asyncio.sleep(0.002)
             peak = max(peak, threading.active_count())

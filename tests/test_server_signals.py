@@ -31,8 +31,16 @@ SIGINT_IGNORED = _LAUNCH.format("SIG_IGN")
 
 
 def _serve(name: str, log, launcher: str = SIGINT_DEFAULT) -> subprocess.Popen:
+    # SIGINT at its default across the exec, as from a terminal: a test run started in the
+    # background (``cmd &``) ignores SIGINT, its children would inherit that, and a SIGINT sent
+    # before the launcher sets its handler would be ignored, as in any background job.
     return subprocess.Popen([sys.executable, "-c", launcher, "serve", "--name", name, "--preset", "tiny",
-                             "--threads", "1"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                             "--threads", "1"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=_sigint_default)  # fmt: skip
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait(condition, proc: subprocess.Popen, timeout: float = 120.0) -> None:

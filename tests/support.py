@@ -230,12 +230,12 @@ def submitted_requests(segment, server=None) -> int:
                                              for slot in ready)  # fmt: skip
 
 
-def wait_submitted(segment, count: int, timeout: float = 30.0) -> None:
+def wait_submitted(segment, count: int, timeout: float = 30.0, server=None) -> None:
     """Until ``count`` requests are submitted (see ``submitted_requests``): with a gated
     decoder, the batches that run are in the decoder and every other request is queued, so
     opening the gate then lets the queued ones form a batch together."""
-    wait_for(lambda: submitted_requests(segment) >= count, timeout,
-             f"{count} submitted requests (slot states {segment.slots['state'].tolist()})")  # fmt: skip
+    wait_for(lambda: submitted_requests(segment, server) >= count, timeout,
+             f"{count} submitted requests")  # fmt: skip
 
 
 class ReadLog:

@@ -294,7 +294,7 @@ def test_a_stale_done_post_is_never_taken_for_the_answer(thread_server, shm_name
         result = []
         t = threading.Thread(target=lambda: result.append(client.decode(sem, glb, dtype="float32")))
         t.start()
-        wait_submitted(server.segment, 1)  # the request is in the (gated) decoder
+        wait_submitted(server.segment, 1, server=server)  # the request is in the (gated) decoder
         (slot,) = client._att.owned
         done = client._att.segment.done(slot)
         done.release()  # a stray post, as a timed-out request leaves
@@ -353,7 +353,7 @@ def test_threads_of_one_handle_never_claim_the_same_slot(thread_server, shm_name
         for t in threads:
             t.start()
         seg = server.segment
-        wait_submitted(seg, 8, timeout=10)  # (two threads sharing a slot: never eight)
+        wait_submitted(seg, 8, timeout=10, server=server)  # (two threads sharing a slot: never eight)
         assert len(client._att.owned) == 8  # eight distinct slots for eight requests in flight
         assert int((seg.slots["state"] != SlotState.FREE).sum()) == 8
         assert all(seg.slot_owned_elsewhere(slot) for slot in range(8))  # no lock dropped

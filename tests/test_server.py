@@ -79,7 +79,7 @@ def _decode_all_concurrently(client, reqs, dtype="int16", gate=None, server=None
         t.start()
     if gate is not None:
         try:
-            wait_submitted(server.segment, len(reqs))
+            wait_submitted(server.segment, len(reqs), server=server)
         finally:
             gate.set()
     for t in threads:
@@ -475,7 +475,7 @@ def test_single_row_and_batched_paths_give_identical_bytes(thread_server, shm_na
         for t in threads:
             t.start()
         try:
-            wait_submitted(server.segment, len(reqs))  # all queued behind the gated batch
+            wait_submitted(server.segment, len(reqs), server=server)  # all queued behind the gated batch
         finally:
             gate.set()
         for t in threads:

@@ -289,8 +289,8 @@ def test_bad_settings_and_items_raise_clear_errors(server):
         stream = dropin.OrpheusStream(client)
         with pytest.raises(ValueError, match="must be a str holding <custom_token_N>, got bytes"):
             stream.push(b"<custom_token_10>")
-        assert stream.push("tara: <custom_token_10> hello") == b""  # Orpheus skips it too
-        assert stream.audio_tokens == 0
+        assert stream.push("tara: <custom_token_10> hello") == b""  # the text around it adds nothing
+        assert stream.audio_tokens == 1
     with pytest.raises(ValueError, match="client must be a DecoderClient"):
         dropin.OrpheusStream(object())
 
@@ -449,12 +449,14 @@ def test_install_after_orpheus_was_imported_rebinds_its_functions(orpheus, serve
 
 def test_the_dropins_import_only_the_public_client_api_and_no_torch():
     """The rule of bicodec_shm/integrations/__init__.py for these two: the package's exported names
-    only (DecoderClient, DecodeStream, codecs' exports, errors), and no torch, even lazily."""
+    only (DecoderClient, DecodeStream, codecs' exports, errors) and the client's decode_any_length,
+    and no torch, even lazily."""
     import ast
     import pathlib
 
     allowed = {"bicodec_shm.client.decoder_client", "bicodec_shm.client.streaming", "bicodec_shm.codecs",
-               "bicodec_shm.errors"}  # fmt: skip
+               "bicodec_shm.errors", "bicodec_shm.client.long_requests",
+               "bicodec_shm.integrations.inputs"}  # fmt: skip
     folder = pathlib.Path(dropin.__file__).parent
     for path in (folder / "orpheus_tts.py", folder / "spark_tts.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -466,4 +468,82 @@ def test_the_dropins_import_only_the_public_client_api_and_no_torch():
             assert not any(n.split(".")[0] == "torch" for n in names), path.name
     code = ("import sys; import bicodec_shm.integrations.orpheus_tts, bicodec_shm.integrations.spark_tts; "
             "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- what docs/integrations.md says of each preset ------------------------------------------------
+
+
+def integrations_preset_rows() -> dict[str, list[str]]:
+    """docs/integrations.md's table of the Orpheus presets: preset -> its cells after the name."""
+    import pathlib
+
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+    rows = {}
+    for line in page.read_text().splitlines():
+        if line.startswith('| `"'):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].strip('`"')] = cells[1:]
+    return rows
+
+
+def test_each_preset_gives_what_the_integrations_page_says(orpheus, model, server):
+    """Row by row, against Orpheus's own decoder: the chunk (and the last one's, n = 20..23),
+    the frames played, the first audio, and the audio against Orpheus's on the frames both play:
+    only preset="orpheus" is Orpheus's chunks."""
+    import re
+
+    upstream, twin = orpheus
+    rows = integrations_preset_rows()
+    assert sorted(rows) == sorted(dropin.PRESETS)
+    for preset, (chunk, played, first, against) in rows.items():
+        size, last = re.fullmatch(r"(\d+) frames?(?:, one per window \(as Orpheus\)| \(the last (.+)\))",
+                                  chunk).groups()  # fmt: skip
+        lasts = set()
+        for n in (20, 21, 22, 23):
+            items = per_token_items(codes_to_orpheus(random_levels(n, seed=30 + n), base=10))
+            stream = dropin.OrpheusStream(model, preset=preset)
+            chunks = [c for item in items for c in stream.push_chunks(item)] + stream.finish_chunks()
+            assert {len(c) // 4096 for c in chunks[:-1]} == {int(size)}, (preset, n)
+            lasts.add(len(chunks[-1]) // 4096)
+        if last is not None:
+            lo, hi = map(int, re.fullmatch(r"(\d+) (?:or|to) (\d+)", last).groups())
+            assert lasts == set(range(lo, hi + 1)), (preset, lasts)
+        else:
+            assert lasts == {int(size)}
+
+        n = 23
+        levels = random_levels(n, seed=31)
+        items = per_token_items(codes_to_orpheus(levels, base=10))
+        with server_noise(model, twin):
+            theirs = list(upstream.tokens_decoder_sync(iter(items)))
+        ours, first_at = [], None
+        with DecoderClient(server.name) as client:
+            stream = dropin.OrpheusStream(client, preset=preset)
+            for pushed, item in enumerate(items, 1):
+                ours += stream.push_chunks(item)
+                first_at = first_at or (pushed if ours else None)
+            ours += stream.finish_chunks()
+        assert played == ("1 .. n-3 (none under 4 frames)" if len(ours) == n - 3 else "all n")
+        assert len(pcm(ours)) == 2048 * (n - 3 if played.startswith("1 ..") else n)
+        frames_first = first_at // 7
+        assert first == f"after {frames_first} frames, {7 * frames_first} tokens" and first_at % 7 == 0
+        if against == "Orpheus's chunks, within 1 int16 step":
+            assert_chunks_within_1_lsb(ours, theirs)
+            continue
+        assert against.startswith("other chunks and 3 more frames") and len(ours) != len(theirs)
+        assert len(pcm(ours)) - len(pcm(theirs)) == 3 * 2048
+        both = pcm(ours)[2048 : 2048 + len(pcm(theirs))]  # frames 1 .. n-3
+        (said,) = map(float, re.findall(r"(\d+) dB SNR on the frames both play", against))
+        measured = snr_db(both, pcm(theirs))
+        assert abs(measured - said) <= 3, (preset, measured, said)  # tiny here, full size there
+
+
+def test_importing_orpheus_tts_still_needs_vllm_after_install():
+    """install() answers orpheus_tts.decoder, but the package's __init__ imports its engine
+    module, which imports vLLM."""
+    code = ("from bicodec_shm.integrations import orpheus_tts as d; d.install()\n"
+            "try:\n    import orpheus_tts.decoder\nexcept ModuleNotFoundError as e:\n"
+            "    assert e.name == 'vllm', e.name\n"
+            "else:\n    raise SystemExit('imported without vLLM')\n")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -8,8 +8,10 @@ comment on each step names the code it mirrors. Actors: the threads of each clie
 checks these invariants in every reachable state:
 
 - no request is answered with another request's audio (``cross-delivery``);
+- no request of a handle gets a slot while an older one waits in line for it (``overtaken``);
 - the server never writes a result into a slot whose claim epoch moved on since it gathered the
-  request (``write after free``);
+  request (``write after free``), and the reaper never frees a slot whose batch has not
+  answered it yet (``free under a batch``);
 - no two owners of a slot: a slot a handle thinks it owns is locked by that handle;
 - in every state where only timeouts could still move (nothing else is enabled), no request
   waits unanswered (``lost``), no slot is left owned by nobody and not FREE (``orphan``), and
@@ -47,12 +49,19 @@ class Rules:
     # The old ``Server._lane_finished``: the batch's slots leave the held set by number, even
     # where another lane holds them again.
     finish_unholds_slots: bool = False
+    # The old ``slot_io.publish``: DONE and the request's identity written whatever became of
+    # the slot under the batch (its owner freed it, and maybe another client claimed it).
+    publish_ignores_epoch: bool = False
+    # The old waiting for a slot of the handle: a give leaves the slot idle for whoever looks
+    # first, and a newcomer takes an idle slot or claims one ahead of the requests in line.
+    unfair_waiting: bool = False
 
 
 @dataclass(frozen=True)
 class Bounds:
     clients: int = 2  # client handles
     threads: int = 1  # threads per handle, sharing its books, its claim lock and its locks
+    handle_slots: int = 0  # the handle's ``slots`` (0: one per thread, so that none waits in line)
     slots: int = 1
     requests: int = 2  # per thread
     closes: bool = False  # a client may close its handle at any step (once)
@@ -64,6 +73,9 @@ class Bounds:
     # (``Server._lane_finished``) after its rows were rung.
     lanes: int = 0
     server_replacements: int = 0  # the server may die and a new one take the name
+    # Client 0 is buggy: it may, once, write FREE into a slot of its own that a batch holds,
+    # drop the slot's lock and go away (the other clients are well-behaved).
+    frees_under_batch: bool = False
 
 
 class Slot(NamedTuple):
@@ -97,6 +109,7 @@ class Handle(NamedTuple):
     loose: frozenset = frozenset()  # slots whose lock may be its own that no request owns
     claim_lock: int | None = None  # the thread holding the claim lock
     claimers: frozenset = frozenset()  # threads between deciding to claim and done
+    line: tuple = ()  # threads waiting for a slot of the handle, oldest first (``Line``)
     ended: str = ""  # "closed", "dead"
 
 
@@ -241,6 +254,8 @@ class _Step:
             self.close(h, hd, mine)
         if self.b.deaths:
             self.die(h, hd, mine)
+        if self.b.frees_under_batch and h == 0:
+            self.free_under_batch(h, hd, mine)
 
     def pc_idle(self, t: int, th: Thread, hd: Handle) -> None:
         if th.k >= self.b.requests:
@@ -258,20 +273,56 @@ class _Step:
         return th, hd
 
     def pc_take(self, t: int, th: Thread, hd: Handle) -> None:
-        # Attachment._take_local: an idle slot of ours (owned, not in use), else a claim if our
-        # limit allows one (the handle's ``slots``: one per thread here), else wait.
+        # Attachment._take_local: the slot handed to it in line, else an idle slot of ours
+        # (owned, not in use), else a claim if our limit allows one (the handle's ``slots``) and
+        # nobody is in line before it, else into the line (one store), to wait.
+        if self.b.timeouts and t in hd.line:
+            # take_slot's deadline, in line: it leaves (passing on a slot handed meanwhile).
+            nxt = th._replace(pc="abandon", k=th.k + 1, outcomes=th.outcomes + ("error",))
+            self.act(t, "times out in line", nxt, timeout=True)
+        handed = [i for i, u in hd.using if u == t]
+        if handed:
+            i = handed[0]
+            self.act(t, f"finds slot {i} handed to it", th._replace(pc="submit", slot=i), self._leave(hd, t))
+            return
         busy = {i for i, _ in hd.using}
         if self.r.books_after_locks:  # the old idle list: a slot claimed, not yet booked, is not in it
             busy |= {u.slot for u in self.s.threads if u.h == th.h and u.pc == "start"}
         idle = sorted(hd.owned - busy)
+        ahead = self._ahead(hd, t)
+        overtaken = None
+        if ahead:
+            overtaken = f"overtaken: thread {t} got a slot while thread {ahead[0]} waited in line"
+        limit = self.b.handle_slots or self.b.threads
         if idle:
             i = idle[-1]
             th2, hd2 = self._seq(th, hd)
-            hd2 = hd2._replace(using=tuple(sorted(hd2.using + ((i, t),))))
-            self.act(t, f"takes its idle slot {i}", th2._replace(pc="submit", slot=i), hd2)
-        elif len(hd.owned) + len(hd.claimers) < self.b.threads and self._worth_a_claim(hd, th.h):
+            hd2 = self._leave(hd2._replace(using=tuple(sorted(hd2.using + ((i, t),)))), t)
+            self.act(t, f"takes its idle slot {i}", th2._replace(pc="submit", slot=i), hd2, bad=overtaken)
+        elif (len(hd.owned) + len(hd.claimers) < limit and (not ahead or self.r.unfair_waiting)
+              and self._worth_a_claim(hd, th.h)):  # fmt: skip
             self.act(t, "decides to claim", th._replace(pc="claim-wait"),
-                     hd._replace(claimers=hd.claimers | {t}))  # fmt: skip
+                     hd._replace(claimers=hd.claimers | {t}), bad=overtaken)  # fmt: skip
+        elif t not in hd.line and not self.r.books_after_locks:
+            self.act(t, "joins the line", th, hd._replace(line=hd.line + (t,)))
+
+    def _ahead(self, hd: Handle, t: int) -> list[int]:
+        """Threads in line before t (all of the line if t is not in it) that hold no slot."""
+        line = hd.line[: hd.line.index(t)] if t in hd.line else hd.line
+        holding = {u for _, u in hd.using}
+        return [u for u in line if u not in holding]
+
+    def _leave(self, hd: Handle, t: int) -> Handle:
+        return hd._replace(line=tuple(u for u in hd.line if u != t)) if t in hd.line else hd
+
+    def _give(self, hd: Handle, i: int, t: int) -> Handle:
+        """Attachment.give of thread t's slot i (CLAIMED): booked straight to the oldest thread
+        in line that holds no slot (one store), else idle. The unfair rule: always idle."""
+        first = None if self.r.unfair_waiting else next(iter(self._ahead(hd, -1)), None)
+        using = tuple(u for u in hd.using if u != (i, t))
+        if first is not None:
+            using = tuple(sorted(using + ((i, first),)))
+        return hd._replace(using=using)
 
     def _worth_a_claim(self, hd: Handle, h: int) -> bool:
         """Whether a claim attempt can change anything: a warm slot, a FREE slot, or loose ones
@@ -355,8 +406,10 @@ class _Step:
             self.act(t, f"locks slot {i}", th._replace(pc="own", slot=i), hd._replace(loose=loose),
                      (i, slots[i]._replace(lock=h)))  # fmt: skip
         if not claimable:
+            # _take_or_claim: the claim failed; into the line (whoever comes later waits behind).
+            line = hd.line if t in hd.line or r.books_after_locks else hd.line + (t,)
             self.act(t, "finds no slot", th._replace(pc="take"),
-                     hd._replace(claim_lock=None, claimers=hd.claimers - {t}))  # fmt: skip
+                     hd._replace(claim_lock=None, claimers=hd.claimers - {t}, line=line))  # fmt: skip
 
     def pc_own(self, t: int, th: Thread, hd: Handle) -> None:
         # Attachment._own: drain done.I and req.I, bump the claim epoch, CLAIMED (under the
@@ -372,14 +425,16 @@ class _Step:
             return
         hd2 = hd._replace(owned=hd.owned | {i}, using=tuple(sorted(hd.using + ((i, t),))), gens=gens,
                           loose=hd.loose - {i}, claim_lock=None, claimers=hd.claimers - {t})  # fmt: skip
-        self.act(t, f"claims slot {i} (epoch {gen})", th._replace(pc="submit"), hd2, (i, new))
+        # (out of the line once claimed: _take_or_claim's _leave_line; no other thread of the
+        # handle can tell the two steps apart, the claimer is first in line or the line is empty)
+        self.act(t, f"claims slot {i} (epoch {gen})", th._replace(pc="submit"), self._leave(hd2, t), (i, new))
 
     def pc_book(self, t: int, th: Thread, hd: Handle) -> None:
         # Attachment._book after _rewarm: owned, in use by this request, out of loose.
         i = th.slot
         hd2 = hd._replace(owned=hd.owned | {i}, using=tuple(sorted(hd.using + ((i, t),))),
                           loose=hd.loose - {i}, claim_lock=None, claimers=hd.claimers - {t})  # fmt: skip
-        self.act(t, f"re-takes its warm slot {i}", th._replace(pc="submit"), hd2)
+        self.act(t, f"re-takes its warm slot {i}", th._replace(pc="submit"), self._leave(hd2, t))
 
     def pc_start(self, t: int, th: Thread, hd: Handle) -> None:
         # The old _start_request: the request numbered and booked after _claim_or_none returned.
@@ -421,8 +476,9 @@ class _Step:
                 bad = None
                 if payload not in ((t, th.k), ERROR):
                     bad = f"cross-delivery: thread {t}'s request {th.k} got the audio of {payload}"
-                # take_result: CLAIMED; give(): idle; quiescent -> _release (steps below).
-                hd2 = hd._replace(using=tuple(u for u in hd.using if u != (th.slot, t)))
+                # take_result: CLAIMED; give(): to the oldest in line, else idle; quiescent ->
+                # _release (steps below).
+                hd2 = self._give(hd, th.slot, t)
                 outcome = "ok" if payload != ERROR else "error"
                 nxt = th._replace(pc="idle", k=th.k + 1, outcomes=th.outcomes + (outcome,))
                 if self._quiescent(hd2) and hd2.owned:
@@ -543,15 +599,18 @@ class _Step:
         self.act(t, f"is interrupted ({th.pc})", nxt, hd2)
 
     def done_with(self, t: int, th: Thread, hd: Handle) -> tuple[State, Handle]:
-        """Attachment.done_with for thread t's request: give back a CLAIMED slot (idle), let go
-        of any other (out of owned, unlocked: the reaper frees it). One step (no second
-        exception comes)."""
+        """Attachment.done_with for thread t's request: give back a CLAIMED slot (to the oldest
+        in line, else idle: a slot handed to a waiter that leaves is passed on), let go of any
+        other (out of owned, unlocked: the reaper frees it). One step (no second exception
+        comes)."""
         s = self.s
         mine = [i for i, u in hd.using if u == t]
         for i in mine:
             sl = s.slots[hd.inc][i]
-            hd = hd._replace(using=tuple(u for u in hd.using if u != (i, t)))
-            if sl.state != CLAIMED:
+            if sl.state == CLAIMED:
+                hd = self._give(hd, i, t)
+            else:
+                hd = hd._replace(using=tuple(u for u in hd.using if u != (i, t)))
                 hd = hd._replace(owned=hd.owned - {i})
                 s = self.with_slot(s, hd.inc, i, _unlock(sl, th.h))
         return s, hd
@@ -562,7 +621,7 @@ class _Step:
         letting_go = any(u == t and self.slots(hd.inc)[i].state != CLAIMED for i, u in hd.using)
         if letting_go and hd.claim_lock is not None:
             return
-        s2, hd2 = self.done_with(t, th, hd._replace(claimers=hd.claimers - {t}))
+        s2, hd2 = self.done_with(t, th, self._leave(hd, t)._replace(claimers=hd.claimers - {t}))
         self.s, saved = s2, self.s
         self.act(t, "cleans up after its request", th._replace(pc="settle", slot=None), hd2)
         self.s = saved
@@ -637,6 +696,20 @@ class _Step:
         dead = _set(s.handles, h, hd._replace(owned=frozenset(), ended="dead"))
         self.emit(f"c{h} is killed", State(s.live, _set(s.slots, hd.inc, new), s.servers, dead, threads))
 
+    def free_under_batch(self, h: int, hd: Handle, mine: list[int]) -> None:
+        # A buggy client: Segment.free_slot on a slot of its own that the server decodes
+        # (BUSY: FREE, unlock), then it goes away. Its own request is lost; nobody else's may be.
+        s = self.s
+        for i, sl in enumerate(s.slots[hd.inc]):
+            if sl.lock != h or sl.state != BUSY:
+                continue
+            slots = _set(s.slots, hd.inc, _set(s.slots[hd.inc], i, sl._replace(state=FREE, lock=None)))
+            threads = s.threads
+            for t in mine:
+                threads = _set(threads, t, threads[t]._replace(pc="dead"))
+            gone = _set(s.handles, h, hd._replace(owned=frozenset(), ended="dead"))
+            self.emit(f"c{h} frees slot {i} under its batch", State(s.live, slots, s.servers, gone, threads))
+
     # -- the server (server.py, lanes.py, slot_io.py) and its reaper ------------------------
 
     def server(self) -> None:
@@ -699,8 +772,18 @@ class _Step:
         s = self.s
         _, request, published, lane = row
         rest = tuple(r for r in srv.rows if r[0] != i)
-        if not published:
-            # slot_io.publish: PCM, answer identity (the gathered copy's), state DONE.
+        moved = slot.state != BUSY or slot.gen != request[1]
+        if not published and not self.r.publish_ignores_epoch and moved:
+            # slot_io.publish (``moved_on``): the slot is not BUSY at the request's epoch any
+            # more (its owner freed it under the batch): no DONE, no post, out of the held set
+            # (Server._release_and_ring), and the dispatcher is woken for what waits there.
+            srv2 = srv._replace(rows=rest, held=frozenset(h for h in srv.held if h[0] != i))
+            if lane is not None:
+                srv2 = srv2._replace(lanes=_set(srv2.lanes, lane, (srv.lanes[lane][0], True)))
+            self.emit(f"server drops the answer of slot {i}", self.with_server(s, inc, srv2))
+        elif not published:
+            # slot_io.publish: PCM, answer identity (the gathered copy's), the check above, then
+            # state DONE (the check and the store are taken as one step here).
             bad = None
             if slot.gen != request[1]:
                 bad = (f"write after free: the server wrote request {request[3]}'s answer into slot {i} "
@@ -747,7 +830,11 @@ class _Step:
         if slot.state != FREE and i not in held and slot.lock is None:
             new = slot._replace(state=FREE, gen=slot.gen + 1, req_posts=0, done_posts=0)
             srv2 = srv._replace(confirmed=srv.confirmed - {i})
-            self.emit(f"reaper frees slot {i}", self.with_server(self.with_slot(s, inc, i, new), inc, srv2))
+            bad = None
+            if any(row[0] == i for row in srv.rows):
+                bad = f"free under a batch: the reaper freed slot {i} while a batch still answers it"
+            freed = self.with_server(self.with_slot(s, inc, i, new), inc, srv2)
+            self.emit(f"reaper frees slot {i}", freed, bad)
 
 
 def successors(s: State, b: Bounds, r: Rules) -> list[tuple[str, State, str | None]]:

@@ -56,7 +56,8 @@ BAD_INPUTS = [
     ("2-D array", np.ones((2, 3), np.int64), GLB, r"must be 1-D.*shape \(2, 3\): a batch of 2 rows"),
     ("a batch of lists", [[1, 2], [3, 4]], GLB, r"a list of 2 sequences: a batch of 2 rows; .*gather"),
     ("a batch of globals", [1], [GLB, GLB], "a batch of 2 rows"),
-    ("a column", np.ones((3, 1), np.int64), GLB, r"shape \(3, 1\)"),
+    ("a column", np.ones((3, 1), np.int64), GLB, r"shape \(3, 1\): a column of 3 ids; pass it flattened"),
+    ("a list column", [[1], [2], [3]], GLB, r"a list of 3 one-id sequences: a column of 3 ids; pass it"),
     ("a list in a list", [1, [2]], GLB, r"semantic_ids\[1\] = \[2\] is a list"),
     ("a scalar", np.int64(5), GLB, "must be 1-D, a sequence of ids, got a single value"),
     ("float numpy dtype", np.array([1.0, 2.0]), GLB, "integer dtype"),
@@ -552,8 +553,9 @@ class _Interrupt(BaseException):
 # segment's lock and semaphore calls. Not the waits (how many bytecodes a wait runs depends on
 # timing), nor the input's validation (nothing is taken yet), nor the callback that hands an
 # answer to its event loop (asyncio, not the caller, gets an exception raised there).
-_STEPS = {"attachment.py": None, "transport.py": None, "client.py": {"_decode", "_decode_async", "_submit"}}
-_NOT_STEPS = {"wait_result", "wait", "_wait_for_segment_slot", "apply"}
+_STEPS = {"attachment.py": None, "slot_waits.py": None, "waiting.py": None, "transport.py": None,
+          "client.py": {"_decode", "_decode_async", "_submit"}}  # fmt: skip
+_NOT_STEPS = {"wait_result", "wait", "_wait_for_segment_slot", "_sleep_in_line", "apply"}
 
 
 def _is_step(code) -> bool:
@@ -736,3 +738,51 @@ def test_a_storm_of_signal_handler_exceptions_never_wedges_the_handle_or_the_slo
             f"print(DecoderClient({shm_name!r}, timeout=5).decode([1, 2, 3], {GLB!r}).shape)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"({3 * HOP},)", out.stderr[-2000:]
+
+
+def test_an_exception_at_any_bytecode_of_a_request_waiting_in_line_leaves_nothing_booked_or_in_line(
+    thread_server, shm_name
+):
+    """The same sweep for a request that has to wait in line: the handle's one slot is in use;
+    the request joins the line and another thread then gives that slot back, so that it is
+    handed to the waiting request. An exception at each point of the request's steps in turn:
+    right after each, nothing is left in line, booked or locked (a slot handed to the request
+    was passed on, and with nobody else waiting went back), and the handle still decodes."""
+    server = thread_server(slots=2, reap_interval=0.05)
+    seg = server.segment
+    with DecoderClient(shm_name, slots=1, timeout=5) as client:
+        client.decode([5, 6, 7], GLB)
+        att = client._att
+
+        def interrupted_at(n: int | None):
+            held = att.take_slot(time.monotonic() + 5)  # the handle's one slot, in use
+            done = threading.Event()
+
+            def give_when_in_line() -> None:
+                wait_for(lambda: bool(att.line.waiters) or done.is_set(), 10, "the request in line")
+                att.give(*held)
+
+            giver = threading.Thread(target=give_when_in_line)
+            giver.start()
+            try:
+                return _run_interrupted_at(lambda: client.decode([5, 6, 7], GLB), n)
+            finally:
+                done.set()
+                giver.join(10)
+
+        total, _, outcome = interrupted_at(None)
+        assert isinstance(outcome, np.ndarray) and total > 30, (total, outcome)
+        for n in range(1, total + 10):
+            points, where, outcome = interrupted_at(n)
+            if where is None:
+                assert isinstance(outcome, np.ndarray), (n, points, total)
+                break
+            assert isinstance(outcome, _Interrupt), f"at {where}: the exception was swallowed ({outcome!r})"
+            left = {"line": dict(att.line.waiters), "using": dict(att.using), "claiming": att.claiming,
+                    "loose": set(att.loose), "pending": dict(att.pending)}  # fmt: skip
+            nothing = {"line": {}, "using": {}, "claiming": 0, "loose": set(), "pending": {}}
+            assert left == nothing, f"an exception at {where} (point {n} of {total}) left {left}"
+        else:
+            pytest.fail(f"the request never ran to its end ({total} points)")
+        assert client.decode([1, 2], GLB).shape == (2 * HOP,)
+    assert not seg.slot_owned_elsewhere(0) and not seg.slot_owned_elsewhere(1)

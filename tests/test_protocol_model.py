@@ -1,6 +1,6 @@
 """The slot protocol, proved by exhaustive exploration of a model (tests/protocol_model.py).
 
-Every interleaving of claim, submit, wait, take, give back, let go (timeouts, Ctrl-C), close,
+Every interleaving of claim, submit, wait in line, take, give back, let go (timeouts, Ctrl-C), close,
 die, the server's take/gather/publish/ring, its lanes finishing their batches, its
 replacement, and the reaper, for two clients, or two threads sharing one handle, and small
 bounds; and an exception (a signal handler's) between any two steps of a thread in a call.
@@ -24,6 +24,11 @@ BOUNDS = [
     Bounds(clients=1, threads=2, requests=1, closes=True, deaths=True, interrupts=True),
     Bounds(requests=1, timeouts=True, interrupts=True),  # an exception between any two steps
     Bounds(clients=1, slots=2, requests=2, timeouts=True, lanes=2),  # two lanes, a slot held by each in turn
+    Bounds(frees_under_batch=True, timeouts=True),  # a buggy client frees its slot while it is decoded
+    Bounds(frees_under_batch=True, lanes=2),
+    # More threads than the handle's slots: they wait in line, and are served in turn.
+    Bounds(clients=1, threads=3, handle_slots=1, requests=1),
+    Bounds(clients=1, threads=2, handle_slots=1, requests=1, timeouts=True, interrupts=True),
 ]
 FULL = [
     Bounds(slots=2, closes=True, deaths=True, timeouts=True),
@@ -33,6 +38,7 @@ FULL = [
     Bounds(requests=2, timeouts=True, interrupts=True),
     Bounds(requests=1, closes=True, deaths=True, interrupts=True),
     Bounds(slots=2, requests=2, timeouts=True, lanes=2),
+    Bounds(clients=1, threads=3, handle_slots=1, requests=2, timeouts=True),
 ]
 
 
@@ -126,10 +132,34 @@ def test_the_checker_finds_a_slot_wedged_by_an_exception_between_its_lock_and_th
 def test_the_checker_finds_a_write_after_free_when_a_lane_unholds_a_slot_another_lane_holds():
     """The old lane finish, planted back: it took the batch's slots out of the held set by
     number, after their rows were answered, when another lane already held one of them for its
-    client's next request; the reaper freed it under that batch, which then wrote into it."""
+    client's next request; the reaper freed it under that batch (which, publishing only into a
+    slot still at its request's epoch, then drops that answer)."""
     with pytest.raises(Violation) as found:
         explore(Bounds(clients=1, requests=2, timeouts=True, lanes=2), Rules(finish_unholds_slots=True))
-    assert found.value.what.startswith("write after free")
+    assert found.value.what.startswith("free under a batch")
     trace = found.value.trace
     assert trace.index("lane 1 gathers slot 0") < trace.index("lane 0 finishes its batch")
     assert trace.index("lane 0 finishes its batch") < trace.index("reaper frees slot 0")
+
+
+def test_the_checker_finds_the_lost_request_of_publishing_into_a_slot_freed_under_its_batch():
+    """The publish that did not check the slot's epoch, planted back: a buggy client frees its
+    slot while the server decodes it, another client claims it, and the late DONE with the old
+    identity overwrites the slot of that client, whose READY request is then never answered."""
+    with pytest.raises(Violation) as found:
+        explore(Bounds(frees_under_batch=True), Rules(publish_ignores_epoch=True))
+    assert found.value.what.startswith("write after free")
+    trace = "\n".join(found.value.trace)
+    # c0's slot is freed under the batch, c1 claims it (a new epoch), then the late publish.
+    assert trace.index("c0 frees slot 0 under its batch") < trace.index("c1 claims slot 0")
+    assert trace.index("c1 claims slot 0") < trace.index("server publishes slot 0")
+def test_the_checker_finds_a_newcomer_served_ahead_of_a_request_waiting_in_line():
+    """The old waiting for a slot of the handle, planted back: a give left the slot idle, and
+    the thread that gave it back took it (or claimed) again for its next request while another
+    thread of the handle waited in line: first come is not first served."""
+    with pytest.raises(Violation) as found:
+        explore(Bounds(clients=1, threads=2, handle_slots=1, requests=2), Rules(unfair_waiting=True))
+    assert found.value.what.startswith("overtaken")
+    trace = found.value.trace
+    joined = next(i for i, step in enumerate(trace) if step.endswith("joins the line"))
+    assert any(step.startswith("c0.0 next request") for step in trace[joined:]), trace

@@ -107,7 +107,7 @@ class DecoderClient:
             restarted server included (None: wait forever). On expiry it raises
             ``DecodeTimeoutError``, or ``ServerUnavailableError`` if no server came back.
         slots: most requests of this handle in flight at once; each claims a shared-memory
-            slot on demand. More concurrent requests wait in the handle (backpressure).
+            slot on demand. More requests wait in the handle, first come, first served.
         connect_timeout: seconds to wait for a server at construction (0: fail at once with
             ``ServerUnavailableError``).
         owner_uid: the uid that must own the server's segment (default: this process's).
@@ -202,7 +202,8 @@ class DecoderClient:
                 frames. 0 (default) for a whole utterance.
             timeout: seconds for this call (default: the handle's).
         Returns:
-            (samples_per_frame·n,) int16 or float32 samples at the codec's sample rate.
+            (codec.decoded_samples(n),) int16 or float32 samples at the codec's sample rate:
+            samples_per_frame·n, 8 fewer for DAC 24 and 16 kHz (their decoders' own length).
         Raises:
             ValueError: before anything is written: a wrong number of levels, lengths that
                 break the rates, an id out of range for its level, global ids a codec does not
@@ -261,6 +262,29 @@ class DecoderClient:
     def codec(self) -> CodecLayout:
         """The token layout of the codec the server last attached serves."""
         return self._codec
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest request, in frames (BiCodec: semantic tokens), the server under the name
+        takes now: its ``--max-tokens`` (a group: the least of its live members'). A server that
+        went away is let go of and its successor attached, without waiting; while none serves,
+        the last one's."""
+        if os.getpid() != self._pid:
+            self._forked()
+        att = self._att
+        if self._group is None and att is not None and att.retired is None and not att.serving():
+            att.retire_gone()  # replaced: let go of it, and attach its successor below
+            self._drop(att, float("inf"), Gone())
+        try:
+            att = self._attachment(float("inf"), block=False)
+        except ServerUnavailableError:  # stopped on purpose and no successor within the grace
+            att = None
+        limit = group.max_tokens() if (group := self._group) is not None else None
+        if limit is None and att is not None and att.retired is None:
+            limit = att.max_tokens
+        if limit is not None:
+            self._max_tokens = limit
+        return self._max_tokens
 
     def _decode(self, request: _Request, timeout: float | None) -> np.ndarray:
         try:
@@ -446,7 +470,7 @@ class DecoderClient:
         while True:
             try:
                 att = self._connect_once()
-                self._codec = att.codec
+                self._codec, self._max_tokens = att.codec, att.max_tokens
                 return att
             except ServerUnavailableError as exc:
                 self._last_error = exc
@@ -464,7 +488,7 @@ class DecoderClient:
 
     def _connect_once(self) -> Attachment:
         if self._group is None:
-            info = read_group(self.name)
+            info = read_group(self.name, owner_uid=self.owner_uid)
             if info is not None and not info.alive:  # a group starting, stopping or dead
                 raise ServerUnavailableError(f"the server group {self.name!r} is not up")
             if info is not None:
@@ -531,7 +555,7 @@ class DecoderClient:
                 f"request's deadline ({self._last_error}){_served_hint(self.name)}"
             )
         if stopped is not None and now >= stopped + self.stop_grace:
-            if probe(self.name) is ServerState.BUSY:
+            if probe(self.name, owner_uid=self.owner_uid) is ServerState.BUSY:
                 self._stopped_at = now  # a successor is starting (it owns the name): wait on
                 return
             raise ServerUnavailableError(

@@ -6,7 +6,10 @@ replica beside its node's decoder. Each process that runs the app holds one ``De
 attached at start-up (lifespan) and closed at shutdown. Routes:
 
 - ``POST /v1/decode``: ``{"semantic_ids": [...], "global_ids": [32 ints]}`` -> ``audio/wav``
-  (16 kHz mono int16, written by the standard library's ``wave``).
+  (16 kHz mono int16, written by the standard library's ``wave``), up to ``MAX_STREAM_TOKENS``
+  ids. A body longer than the decoder's ``--max-tokens`` is decoded as the stream route does, in
+  overlapping windows, with ``DecodeStream``'s ``exact`` preset: the same audio as one decode
+  (int16 within 1 LSB).
 - ``POST /v1/decode/stream``: the same body, plus an optional ``"preset"`` (``"default"``,
   ``"exact"`` or ``"peers"``, see ``bicodec_shm.client.streaming``) -> ``audio/wav`` as a chunked
   response: a 44-byte WAV header whose two size fields are 0xFFFFFFFF ("length unknown", as
@@ -70,13 +73,16 @@ from bicodec_shm.tools.decode_cmd import wav_bytes
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: our lines share its format
 
-# A decode request holds at most the server's --max-tokens (1500 = 30 s) ids, ~8 KB of JSON; a
-# stream is cut into windows, so it may be longer: up to 10 minutes of audio.
+# A request longer than the decoder's --max-tokens (1500 = 30 s) is cut into windows, stream or
+# not: either may hold up to 10 minutes of audio.
 MAX_STREAM_TOKENS = 30_000
 STREAM_LIMIT = (
-    "ids this service streams in one request (its MAX_STREAM_TOKENS, 10 minutes of audio; the "
-    "decoder's --max-tokens does not limit a stream); split the utterance"
+    "ids this service decodes in one request (its MAX_STREAM_TOKENS, 10 minutes of audio; the "
+    "decoder's --max-tokens does not limit a request here); split the utterance"
 )
+# A body past the decoder's --max-tokens: windows that cover the receptive field, so the audio
+# is that of one decode.
+LONG_BODY_PRESET = "exact"
 MAX_BODY_BYTES = 1 << 20
 FIELDS = ("semantic_ids", "global_ids")
 STREAM_FIELDS = (*FIELDS, "preset")
@@ -197,7 +203,16 @@ def create_app(settings: Settings | None = None) -> Starlette:
     async def decode(request: Request) -> Response:
         try:
             payload = _parse(await _read_body(request), FIELDS)
-            pcm = await decoder.attach().decode_async(payload["semantic_ids"], payload["global_ids"])
+            semantic = _semantic_ids(payload)
+            client = decoder.attach()
+            max_tokens = client.get_stats().get("max_tokens", DEFAULT_MAX_WINDOW)
+            if len(semantic) <= max_tokens:
+                pcm = await client.decode_async(semantic, payload["global_ids"])
+            else:  # longer than a slot: the stream route's windows, all of them at once
+                stream = DecodeStream(client, payload["global_ids"], preset=LONG_BODY_PRESET,
+                                      max_window=max_tokens)  # fmt: skip
+                whole = await stream.push_async(semantic) + await stream.finish_async()
+                pcm = np.frombuffer(whole, "<i2")
         except Exception as exc:  # every failure becomes a status code: no worker dies of input
             return _error_response(exc, served_by)
         return Response(wav_bytes(pcm), media_type="audio/wav", headers=served_by)
@@ -207,9 +222,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             payload = _parse(await _read_body(request), STREAM_FIELDS)
             # Everything is checked before the 200 goes out: after that an error can only cut
             # the stream off.
-            semantic = as_token_array(payload["semantic_ids"], what="semantic_ids",
-                                      vocab=SEMANTIC_VOCAB, max_len=MAX_STREAM_TOKENS,
-                                      limit=STREAM_LIMIT)  # fmt: skip
+            semantic = _semantic_ids(payload)
             preset = payload.get("preset", "default")
             if not isinstance(preset, str):
                 raise BadRequest(f"preset must be a string such as 'default', got {preset!r}")
@@ -262,6 +275,12 @@ async def _stream_body(stream: DecodeStream, semantic: np.ndarray) -> AsyncItera
         # the final empty chunk, so the client sees a truncated transfer.
         log.warning("stream cut off after %d samples: %s", stream.samples_emitted, exc)
         raise
+
+
+def _semantic_ids(payload: dict[str, Any]) -> np.ndarray:
+    """The request's semantic ids, checked against this service's limit (not the decoder's)."""
+    return as_token_array(payload["semantic_ids"], what="semantic_ids", vocab=SEMANTIC_VOCAB,
+                          max_len=MAX_STREAM_TOKENS, limit=STREAM_LIMIT)  # fmt: skip
 
 
 async def _read_body(request: Request) -> bytes:

@@ -51,7 +51,7 @@ class GroupRouter:
     @classmethod
     def find(cls, name: str, *, max_slots: int, owner_uid: int | None) -> GroupRouter | None:
         """A router if a live group serves ``name``, else None (a single server, or nothing)."""
-        info = read_group(name)
+        info = read_group(name, owner_uid=owner_uid)
         if info is None or not info.alive:
             return None
         return cls(info, max_slots=max_slots, owner_uid=owner_uid)
@@ -65,7 +65,7 @@ class GroupRouter:
             return False
         self._checked_at = now
         try:
-            info = read_group(self.name)
+            info = read_group(self.name, owner_uid=self.owner_uid)
         except SegmentError:
             return True
         return info is None or not info.alive or info.epoch != self.epoch
@@ -90,6 +90,16 @@ class GroupRouter:
                 elif load == least:
                     best.append(att)
             return random.choice(best) if best else None
+
+    def max_tokens(self) -> int | None:
+        """The least ``max_tokens`` of the members that serve now (attaching to those not
+        attached), or None if none does: a request that fits it fits whichever is picked."""
+        with self._lock:
+            if self._closed is not None:
+                return None
+            now = time.monotonic()
+            limits = [att.max_tokens for i in range(len(self.members)) if (att := self._live(i, now))]
+            return min(limits, default=None)
 
     def connect(self) -> Attachment:
         """``pick``, or ``ServerUnavailableError`` if no member serves (a handle attaching)."""
@@ -118,10 +128,10 @@ class GroupRouter:
 
     def stats(self) -> dict:
         """``group_stats`` plus ``handle_slots`` (slots this handle owns) per member."""
-        info = read_group(self.name)
+        info = read_group(self.name, owner_uid=self.owner_uid)
         if info is None:
             return {"group": self.name, "supervisor_alive": False, "members": {}}
-        stats = group_stats(info)
+        stats = group_stats(info, owner_uid=self.owner_uid)
         for member, att in zip(self.members, list(self._atts)):
             if member in stats["members"]:
                 stats["members"][member]["handle_slots"] = 0 if att is None else len(att.owned)

@@ -85,7 +85,17 @@ def as_utterance(values: Any, *, what: str, batch_hint: str = BATCH_HINT) -> np.
         return arr
     if arr.ndim == 0:
         raise ValueError(f"{what} must be 1-D, a sequence of ids, got a single value ({arr.item()!r})")
+    if all(d == 1 for d in arr.shape[1:]):
+        raise _column_error(what, f"shape {shape}", arr.shape[0])
     raise _batch_error(what, f"shape {shape}", arr.shape[0], batch_hint)
+
+
+def _column_error(what: str, got: str, n: int) -> ValueError:
+    """(N, 1): one utterance's ids standing in a column, not N utterances of one id each."""
+    return ValueError(
+        f"{what} must be 1-D, the ids of one utterance, got {got}: a column of {n} ids; pass it "
+        f"flattened (np.ravel({what}))"
+    )
 
 
 def _batch_error(what: str, got: str, rows: int, batch_hint: str) -> ValueError:
@@ -120,6 +130,9 @@ def _to_numpy(values: Any, what: str, batch_hint: str) -> np.ndarray:
     if items and _is_array_like(items[0]):  # nested: [[...]] is (1, N); more rows are a batch
         if len(items) == 1:
             return _to_numpy(items[0], what, batch_hint)
+        if all(_is_array_like(v) and _len_or_none(v) == 1 for v in items):
+            got = f"a {type(values).__name__} of {len(items)} one-id sequences"
+            raise _column_error(what, got, len(items))
         raise _batch_error(what, f"a {type(values).__name__} of {len(items)} sequences", len(items),
                            batch_hint)  # fmt: skip
     kinds = set(map(type, items))
@@ -166,3 +179,10 @@ def output_dtype_code(dtype: Any) -> int:
     if name == "float32":
         return 1
     raise ValueError(f"dtype must be 'int16' or 'float32', got {dtype!r}")
+
+
+def _len_or_none(values: Any) -> int | None:
+    try:
+        return len(values)
+    except TypeError:
+        return None

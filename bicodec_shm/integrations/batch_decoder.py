@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 from ..client.decoder_client import DecoderClient
+from ..client.long_requests import decode_any_length_async
 from ..errors import BiCodecShmError
 from ..protocol.names import random_name, sweep_dead
 
@@ -97,6 +98,8 @@ class BiCodecBatchDecoder:
 
     async def decode_async(self, semantic_ids: Any, global_ids: Any) -> bytes:
         """Decode one request; returns little-endian int16 PCM bytes (320 samples per token).
+        A request longer than the server's ``--max-tokens`` is decoded as overlapping windows
+        sent together (client/long_requests.py), within one int16 step of the whole decode.
 
         Unlike an in-process batcher, a failure raises (``ValueError`` for bad input, ``DecodeError`` for a
         server-side failure) instead of hanging or returning None, and never affects other
@@ -104,7 +107,7 @@ class BiCodecBatchDecoder:
         """
         if self._client is None:
             raise BiCodecShmError("call start() before decode_async()")
-        pcm = await self._client.decode_async(semantic_ids, global_ids)
+        pcm = await decode_any_length_async(self._client, semantic_ids, global_ids)
         return pcm.astype("<i2", copy=False).tobytes()
 
     def get_stats(self) -> dict:

@@ -14,6 +14,11 @@ unchanged after one assignment::
 ``tokenize`` (the encoder and wav2vec2 stay in the process). Without it, only ``detokenize``
 exists, which is all that voice creation (``gender``/``pitch``/``speed``) needs.
 
+Spark-TTS writes up to 3000 semantic tokens (60 s), and its own tokenizer decodes any length. A
+row longer than the server's ``--max-tokens`` (1500 by default) is decoded as overlapping
+windows with the model's whole receptive field as context (client/long_requests.py), sent
+together so that they batch: the audio equals the whole decode up to float rounding.
+
 torch is never imported here: tensors, on any device, are read with ``.detach().cpu().numpy()``.
 """
 
@@ -25,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.client.long_requests import decode_any_length
+from bicodec_shm.integrations.inputs import integer_array
 
 N_GLOBAL = 32
 
@@ -66,9 +73,11 @@ class SharedAudioTokenizer:
         Returns:
             float32 numpy, (320·T,) for B = 1 and (B, 320·T) otherwise (Spark-TTS squeezes its
             (B, 1, 320·T) result), 16 kHz, the decoder's own scale. Rows are decoded one after
-            another; concurrent callers (threads, processes) are batched by the server.
+            another, a row longer than the server's slots as windows sent together; concurrent
+            callers (threads, processes) are batched by the server.
         Raises:
-            ValueError: shapes other than these, a float dtype, or ids out of range.
+            ValueError: shapes other than these, a dtype other than an integer one (float,
+                bfloat16, bool, ...), ids out of range, or more tokens than any server takes.
         """
         globals_ = _rows(global_tokens, "global_tokens")
         semantic = _rows(semantic_tokens, "semantic_tokens")
@@ -83,7 +92,7 @@ class SharedAudioTokenizer:
                 f"{semantic.shape[0]}: one row of each per utterance"
             )
         client = self.client
-        wavs = [np.asarray(client.decode(s, g, dtype="float32", timeout=self.timeout), dtype=np.float32)
+        wavs = [decode_any_length(client, s, g, dtype="float32", timeout=self.timeout)
                 for s, g in zip(semantic, globals_)]  # fmt: skip
         return wavs[0] if len(wavs) == 1 else np.stack(wavs)
 
@@ -112,14 +121,7 @@ class SharedAudioTokenizer:
 
 def _rows(values: Any, what: str) -> np.ndarray:
     """A (B, N) integer array from a tensor (any device), numpy array or nested list."""
-    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor, duck-typed
-        values = values.detach().cpu().numpy()
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what}: cannot read a {type(values).__name__} as an array ({exc})") from None
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{what} must hold integer ids (Spark-TTS passes torch.long), got dtype {arr.dtype}")
+    arr = integer_array(values, what, "integer ids (Spark-TTS passes torch.long)")
     if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError(f"{what} must be 2-D, (B, N) with B, N >= 1, got shape {arr.shape}")
     return arr

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from bicodec_shm.errors import CheckpointError
 from bicodec_shm.model import BiCodecDecoder
+from bicodec_shm.model.dac.config import PRESETS as DAC_PRESETS
 from bicodec_shm.model.weights import FORMS, convert_state_dict, fold_weight_norm, weight_norm_prefixes
 
 
@@ -256,4 +257,170 @@ def test_yaml_dimensions_decide_the_expected_shapes(saved: Path) -> None:
     (saved / "config.yaml").write_text(yaml.safe_dump(doc))
     expected = r"pwconv1.weight: expected \(48, 32\), got \(64, 32\)"
     with pytest.raises(CheckpointError, match=expected):
+        BiCodecDecoder.from_pretrained(saved)
+
+
+# --- a model folder cannot exhaust memory ----------------------------------------------------
+# Each load runs in a child process whose address space is capped at what it had after importing
+# torch plus LOAD_HEADROOM, and under a timeout: a loader that formats an alias tree or allocates
+# what a config asks for before checking the file fails the test instead of the machine.
+
+LOAD_HEADROOM = 1 << 30
+PRESET_TINY_DAC = DAC_PRESETS["tiny"]
+LOAD_SCRIPT = r"""
+import json, resource, sys, time
+import torch  # noqa: F401  (imported before the cap, as a server has it)
+from bicodec_shm.errors import CheckpointError
+from bicodec_shm.model.registry import decoder_class
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+cls = decoder_class(sys.argv[1])
+cap = status("VmSize") + int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, time.monotonic()
+try:
+    cls.from_pretrained(sys.argv[2])
+    outcome, message = "loaded", ""
+except CheckpointError as exc:
+    outcome, message = "CheckpointError", str(exc)
+except BaseException as exc:  # MemoryError, a raw RuntimeError, ...
+    outcome, message = type(exc).__name__, str(exc)[:300]
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(json.dumps({"outcome": outcome, "length": len(message), "message": message[:3000],
+                  "peak_growth": grown, "seconds": time.monotonic() - start}))
+"""
+
+
+def bounded_load(codec: str, path: Path) -> dict:
+    """``from_pretrained(path)`` in a child with LOAD_HEADROOM of address space and 120 s."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, codec, str(path), str(LOAD_HEADROOM)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"the loading process died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+def assert_refused_cheaply(result: dict, *needles: str) -> None:
+    assert result["outcome"] == "CheckpointError", result
+    assert result["length"] <= 8192, result["length"]
+    assert result["peak_growth"] <= 256 << 20, result["peak_growth"]
+    assert result["seconds"] < 30, result["seconds"]
+    for needle in needles:
+        assert needle in result["message"], (needle, result["message"])
+
+
+def alias_tree_yaml(levels: int) -> str:
+    """config.yaml whose codebook_size is a YAML alias tree: 9**levels leaves in ~100·levels bytes."""
+    lines = ["t0: &t0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"t{i}: &t{i} [{', '.join([f'*t{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_alias_tree_is_refused_without_formatting_it(saved: Path) -> None:
+    doc = yaml.safe_load((saved / "config.yaml").read_text())
+    text = yaml.safe_dump(doc).replace("codebook_size: 8192", f"codebook_size: *t{9}")
+    (saved / "config.yaml").write_text(alias_tree_yaml(9) + text)
+    assert (saved / "config.yaml").stat().st_size < 4096
+    assert_refused_cheaply(bounded_load("bicodec", saved), "alias", "config.yaml")
+
+
+def test_yaml_anchor_and_alias_are_refused(saved: Path) -> None:
+    doc = yaml.safe_load((saved / "config.yaml").read_text())
+    text = yaml.safe_dump(doc).replace("codebook_size: 8192", "codebook_size: &n 8192")
+    (saved / "config.yaml").write_text(text.replace("codebook_dim: 8", "codebook_dim: *n"))
+    with pytest.raises(CheckpointError, match=r"alias \(\*n\).*anchors and aliases"):
+        BiCodecDecoder.from_pretrained(saved)
+
+
+def memo_tree(levels: int) -> list:
+    """A list of 9 references to a list of 9 references ...: pickles to ~30·levels bytes."""
+    tree: list = [1] * 9
+    for _ in range(levels):
+        tree = [tree] * 9
+    return tree
+
+
+@pytest.mark.parametrize(("key", "value"), [("decoder_dim", memo_tree(9)), ("codebook_dim", memo_tree(9)),
+                                            ("decoder_rates", [8, memo_tree(9)])])  # fmt: skip
+def test_dac_pickle_memo_tree_is_refused_without_formatting_it(tmp_path: Path, key: str, value) -> None:
+    from bicodec_shm.model.dac import DACDecoder
+
+    file = tmp_path / "weights.pth"
+    DACDecoder.from_config("tiny", seed=1).save_pretrained(file)
+    doc = torch.load(file, weights_only=True)
+    doc["metadata"]["kwargs"][key] = value
+    torch.save(doc, file)
+    assert file.stat().st_size < 1 << 20
+    assert_refused_cheaply(bounded_load("dac-44khz", file), "weights.pth", f"'{key}'")
+
+
+@pytest.mark.parametrize(("size", "limit"), [(2**40, "at most 2147483647"), (2**20, "at most 65536")])
+def test_config_dimensions_are_capped_before_anything_is_built(saved: Path, size: int, limit: str) -> None:
+    doc = yaml.safe_load((saved / "config.yaml").read_text())
+    doc["audio_tokenizer"]["quantizer"]["codebook_size"] = size
+    (saved / "config.yaml").write_text(yaml.safe_dump(doc))
+    assert_refused_cheaply(bounded_load("bicodec", saved), "quantizer.codebook_size", str(size), limit)
+
+
+def test_shapes_are_checked_on_the_meta_device_before_allocating(saved: Path) -> None:
+    # Within every limit, but 2**28 floats (1 GiB) of codebook that the (empty) file does not hold.
+    doc = yaml.safe_load((saved / "config.yaml").read_text())
+    doc["audio_tokenizer"]["quantizer"].update(codebook_size=2**16, codebook_dim=2**12)
+    (saved / "config.yaml").write_text(yaml.safe_dump(doc))
+    save_file({}, str(saved / "model.safetensors"))
+    result = bounded_load("bicodec", saved)
+    assert_refused_cheaply(result, "missing: quantizer.codebook.weight", "more")
+
+
+def test_dac_shapes_are_checked_on_the_meta_device_before_allocating(tmp_path: Path) -> None:
+    # 2 codebooks of 2**16 x 2**12 (2 GiB of float32) that the file does not hold.
+    file = tmp_path / "weights.pth"
+    kwargs = {**PRESET_TINY_DAC, "n_codebooks": 2, "codebook_size": 2**16, "codebook_dim": 2**12}
+    torch.save({"state_dict": {}, "metadata": {"kwargs": kwargs}}, file)
+    result = bounded_load("dac-44khz", file)
+    assert_refused_cheaply(result, "missing: quantizer.quantizers.0.codebook.weight")
+
+
+def test_a_config_asking_for_more_than_the_weight_limit_is_refused(tmp_path: Path) -> None:
+    from bicodec_shm.model.weights import MAX_ELEMENTS
+
+    file = tmp_path / "weights.pth"
+    kwargs = {**PRESET_TINY_DAC, "n_codebooks": 64, "codebook_size": 2**16, "codebook_dim": 2**12}
+    torch.save({"state_dict": {}, "metadata": {"kwargs": kwargs}}, file)
+    assert_refused_cheaply(bounded_load("dac-44khz", file), f"at most {MAX_ELEMENTS}")
+
+
+def test_compressed_torch_archive_is_refused(tmp_path: Path) -> None:
+    import zipfile
+
+    from bicodec_shm.model.dac import DACDecoder
+
+    file = tmp_path / "weights.pth"
+    DACDecoder.from_config("tiny", seed=1).save_pretrained(file)
+    with zipfile.ZipFile(file) as src, zipfile.ZipFile(tmp_path / "z.pth", "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    with pytest.raises(CheckpointError, match="compressed"):
+        DACDecoder.from_pretrained(tmp_path / "z.pth")
+
+
+def test_oversized_config_is_refused_unread(saved: Path) -> None:
+    from bicodec_shm.model.weights import MAX_CONFIG_BYTES
+
+    with open(saved / "config.yaml", "a") as f:
+        f.write("#" * MAX_CONFIG_BYTES)
+    with pytest.raises(CheckpointError, match=f"larger than {MAX_CONFIG_BYTES} bytes"):
+        BiCodecDecoder.from_pretrained(saved)
+
+
+def test_deeply_nested_config_is_a_checkpoint_error(saved: Path) -> None:
+    (saved / "config.yaml").write_text("audio_tokenizer: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(CheckpointError, match="not valid YAML"):
         BiCodecDecoder.from_pretrained(saved)

@@ -373,9 +373,56 @@ def test_a_bad_setting_stops_uvicorns_master_once_with_one_line():
     assert time.monotonic() - started < 30
 
 
+# Another user (uid 1000: the unprivileged_python fixture) takes the claim's abstract
+# socket name first: any user may bind any abstract name. It listens, as a worker's claim does.
+_SQUAT_CLAIM = """
+import socket, sys
+claim = socket.socket(socket.AF_UNIX)
+claim.bind(f"\\0bicodec-shm-http-bad-setting-{sys.argv[1]}")
+claim.listen()
+print("bound", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_another_user_holding_the_claim_name_does_not_silence_the_bad_setting_line(unprivileged_python):
+    other = unprivileged_python
+    squatter = subprocess.Popen(other.argv("-c", _SQUAT_CLAIM, str(os.getpid())), env=other.env,
+                                cwd=other.home, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline() == "bound\n"
+        # A worker as uvicorn starts it, a child of this process: it claims "...-{our pid}".
+        worker = subprocess.run([sys.executable, "-c", "import examples.http_tts.app"], cwd=ROOT,
+                                env=dict(os.environ, BICODEC_SHM_NAME="bad name!"), capture_output=True,
+                                text=True, timeout=60)  # fmt: skip
+    finally:
+        squatter.stdin.close()
+        squatter.wait(timeout=30)
+        squatter.stdout.close()
+    errors = [line for line in worker.stderr.splitlines() if "bad setting" in line]
+    assert worker.returncode == 3 and len(errors) == 1, worker.stderr
+    assert "invalid segment name 'bad name!'" in errors[0] and "Traceback" not in worker.stderr
+
+
 def test_the_stream_length_error_names_the_apps_limit_not_the_servers(shm_name):
     too_long = {"semantic_ids": [1] * 30_001, "global_ids": list(range(32))}
     (r,) = asyncio.run(_call(create_app(Settings(name=shm_name)), ("POST", "/v1/decode/stream", too_long)))
     error = r.json()["error"]
     assert r.status_code == 422 and "30001 ids, more than the 30000" in error
     assert "MAX_STREAM_TOKENS" in error and "server's --max-tokens" not in error
+
+
+def test_a_decode_body_longer_than_the_decoders_max_tokens_is_one_whole_decode(shm_name, thread_server):
+    """/v1/decode of more ids than a slot holds (here 700 against --max-tokens 200; 2,000 against
+    the default 1,500 alike) is decoded in windows as the stream route does, not refused with
+    "split the request": the WAV is the lone decode of all of it, within 1 LSB."""
+    thread_server(slots=8, max_tokens=200, max_wait_ms=5, min_fill=0.0)
+    rng = np.random.default_rng(5)
+    body = {"semantic_ids": rng.integers(0, 8192, 700).tolist(),
+            "global_ids": rng.integers(0, 4096, 32).tolist()}
+    short = {"semantic_ids": body["semantic_ids"][:150], "global_ids": body["global_ids"]}
+    app = create_app(Settings(name=shm_name, timeout=120))
+    long_r, short_r = asyncio.run(_call(app, ("POST", "/v1/decode", body), ("POST", "/v1/decode", short)))
+    assert long_r.status_code == 200, long_r.text
+    for r, sent in ((long_r, body), (short_r, short)):
+        _assert_matches_lone_decode(load.read_wav(r.content), sent["semantic_ids"], sent["global_ids"])

@@ -4,6 +4,7 @@ checked against the requests sent and against ``bicodec-shm stats`` of the same 
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ COUNTER_STATS = {
     "bicodec_shm_padded_tokens_total": "padded_tokens",
     "bicodec_shm_reclaimed_slots_total": "reclaimed",
     "bicodec_shm_idle_slots_expired_total": "idle_slots_expired",
+    "bicodec_shm_dropped_answers_total": "dropped_answers",
 }
 # Histograms and the header bins (and nanosecond sum) each one is made of.
 TIME_HISTOGRAMS = {
@@ -178,8 +180,9 @@ def test_scrapes_during_and_after_load_match_the_requests_and_stats(start_server
         "bicodec_shm_requests": "counter", "bicodec_shm_request_failures": "counter",
         "bicodec_shm_batches": "counter", "bicodec_shm_decoded_tokens": "counter",
         "bicodec_shm_padded_tokens": "counter", "bicodec_shm_reclaimed_slots": "counter",
-        "bicodec_shm_idle_slots_expired": "counter",
+        "bicodec_shm_idle_slots_expired": "counter", "bicodec_shm_dropped_answers": "counter",
         "bicodec_shm_lane_busy_seconds": "counter", "bicodec_shm_host_gap_seconds": "counter",
+        "bicodec_shm_dispatch_wait_seconds": "counter",
         "bicodec_shm_request_queue_time_seconds": "histogram",
         "bicodec_shm_request_latency_seconds": "histogram",
         "bicodec_shm_batch_decode_time_seconds": "histogram", "bicodec_shm_batch_size": "histogram",
@@ -461,3 +464,88 @@ def test_importing_the_package_does_not_import_prometheus_client():
                           "bicodec_shm.server.server; print('prometheus_client' in sys.modules)"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_endpoint_binds_the_loopback_unless_told_otherwise(thread_server, shm_name, parser):
+    import psutil
+
+    from bicodec_shm.server.metrics import MetricsExporter
+    from bicodec_shm.tools.cli import _parser
+
+    def bound_addresses(port: int) -> list[str]:
+        return [c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port]  # fmt: skip
+
+    server = thread_server(metrics_port=0)
+    port = server.metrics.port
+    assert bound_addresses(port) == ["127.0.0.1"]
+    assert server.metrics.url == f"http://127.0.0.1:{port}/metrics"
+    assert _get(_scrape(parser, server.metrics.url), "bicodec_shm_requests_total") == 0
+    with MetricsExporter(server.segment, port=0) as exporter:  # the class's own default too
+        assert bound_addresses(exporter.port) == ["127.0.0.1"]
+    assert _parser().parse_args(["serve"]).metrics_host == "127.0.0.1"
+
+
+# The endpoint's documented bounds (docs/metrics.md): a request must arrive whole within 5 s, and
+# at most 64 connections are open at once.
+REQUEST_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (EOF or reset), without waiting."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1 << 16) == b""
+    except ConnectionError:
+        return True
+
+
+def test_half_sent_requests_cost_no_thread_time_out_and_leave_room_for_a_scrape(thread_server, parser):
+    server = thread_server(metrics_port=0)
+    url, port = server.metrics.url, server.metrics.port
+    _scrape(parser, url)
+    baseline = threading.active_count()
+    flood = []
+    try:
+        for _ in range(80):  # raw sockets to the loopback only
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no blank line: half-sent
+            flood.append(sock)
+        # The oldest beyond the bound are closed at once; the rest cost a socket each, no thread.
+        wait_for(lambda: sum(map(_closed_by_peer, flood)) >= len(flood) - MAX_CONNECTIONS, 3,
+                 "the oldest idle connections to be closed")  # fmt: skip
+        assert threading.active_count() <= baseline
+        started = time.monotonic()
+        assert _get(_scrape(parser, url), "bicodec_shm_slots") > 0  # answered during the flood
+        assert time.monotonic() - started < 2
+        # Every half-sent request is dropped once its time is up, and no thread stays behind.
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S + 5
+        while not all(map(_closed_by_peer, flood)):
+            still_open = len(flood) - sum(map(_closed_by_peer, flood))
+            assert time.monotonic() < deadline, f"{still_open} half-sent requests still open"
+            time.sleep(0.05)
+        wait_for(lambda: threading.active_count() <= baseline + 1, 3, "the thread count to return")
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_a_request_sent_a_byte_at_a_time_cannot_stretch_its_timeout(thread_server, parser):
+    server = thread_server(metrics_port=0)
+    request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"a" * 200
+    with socket.create_connection(("127.0.0.1", server.metrics.port), timeout=5) as sock:
+        started, closed = time.monotonic(), False
+        for byte in request:  # 24 s of drip, unless the server ends it
+            try:
+                sock.sendall(bytes([byte]))
+            except ConnectionError:
+                closed = True
+            closed = closed or _closed_by_peer(sock)
+            if closed:
+                break
+            time.sleep(0.1)  # 1 byte per 0.1 s: each well inside any idle timeout
+        assert closed, "the server let a dripping request run past its timeout"
+        assert time.monotonic() - started < REQUEST_TIMEOUT_S + 3
+    assert _get(_scrape(parser, server.metrics.url), "bicodec_shm_slots") > 0

@@ -57,10 +57,10 @@ class _RingGate(DecoderServer):
         self.at_ring = threading.Event()
         super().__init__(*args, **kwargs)
 
-    def _release_and_ring(self, slots, bells) -> None:
+    def _release_and_ring(self, slots, bells, *moved) -> None:
         self.at_ring.set()
         self.ring_gate.wait(30)
-        super()._release_and_ring(slots, bells)
+        super()._release_and_ring(slots, bells, *moved)
 
 
 def _start(server: DecoderServer) -> threading.Thread:
@@ -121,11 +121,13 @@ def test_1_an_answer_is_taken_only_if_it_names_the_handle_the_claim_and_the_requ
             seg = att.segment
             ids = [att.handle_id, att.generation[slot], seq]
             seg.result_id[slot] = ids
+            seg.field["state"][slot] = SlotState.DONE  # as the server answers: identity, then DONE
             assert att.is_answer(seg, slot, seq)
             for k in range(3):  # another handle, an earlier claim, another request
                 seg.result_id[slot] = [v + (k == i) for i, v in enumerate(ids)]
                 assert not att.is_answer(seg, slot, seq), k
         finally:
+            seg.field["state"][slot] = SlotState.CLAIMED  # as a client takes an answer
             att.give(slot, seq)
 
 

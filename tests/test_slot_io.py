@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from bicodec_shm.protocol.layout import BUSY, DONE, HOP, NO_BELL, READY, Status
+from bicodec_shm.protocol.layout import BUSY, CLAIMED, DONE, HOP, NO_BELL, READY, Status
 from bicodec_shm.protocol.segment import Segment
-from bicodec_shm.protocol.slot_io import check_headers, gather, publish
+from bicodec_shm.protocol.slot_io import check_headers, gather, publish, publish_failure
 
 
 def _seen(slots: np.ndarray) -> np.ndarray:
@@ -82,7 +82,7 @@ def test_publish_writes_each_rows_samples_and_results_for_mixed_dtypes(seg):
     n = 3 * HOP
     pcm16 = np.arange(n, dtype=np.int16)[None]
     pcm32 = np.linspace(-1, 1, n, dtype=np.float32)[None]
-    publish(seg, batch.requests, pcm16, np.array([0]), pcm32, np.array([1]))
+    assert publish(seg, batch.requests, pcm16, np.array([0]), pcm32, np.array([1]))[1] == []
     f = seg.field
     assert f["state"][[1, 2]].tolist() == [DONE, DONE]
     assert f["result_seq"][[1, 2]].tolist() == [11, 12]
@@ -102,6 +102,7 @@ def test_the_single_row_path_and_the_vectorised_path_agree_field_for_field(seg):
         a, b = getattr(alone, field), getattr(row, field)
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), field
     one, _ = gather(seg, alone, semantic_vocab=8192, global_vocab=4096)
+    seg.field["state"][3] = READY  # gathered (BUSY): READY again, to gather it a second way
     many, _ = gather(seg, together.take([1, 0, 2]), semantic_vocab=8192, global_vocab=4096)
     assert np.array_equal(one.semantic[0], many.semantic[0, :2]) and one.semantic.shape == (1, 2)
     assert np.array_equal(one.global_ids, many.global_ids[:1])
@@ -208,3 +209,46 @@ def test_requests_take_in_order_is_itself_and_any_other_order_is_a_copy(seg):
     assert req.take(np.array([True, False, True])).slots.tolist() == [0, 4]  # a mask: a copy
     assert req.take(slice(1, None)).slots.tolist() == [2, 4]  # Batch.split's halves
     assert req.take([0, 1]).slots.tolist() == [0, 2]
+
+
+def _claimed_again(seg, slot):
+    """The slot's client freed it, and another client claimed it (a new claim epoch)."""
+    seg.field["generation"][slot] += 1
+    seg.field["state"][slot] = CLAIMED
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_publish_leaves_a_slot_that_was_freed_and_claimed_again_under_its_batch(seg, rows):
+    slots = np.array([1, 2][:rows])
+    for slot in slots.tolist():
+        _ready(seg, slot, [1, 2, 3], seq=10 + slot)
+    req, _ = check_headers(seg, slots, _seen(slots), n_bells=6)
+    batch, _ = gather(seg, req, semantic_vocab=8192, global_vocab=4096)
+    _claimed_again(seg, int(slots[-1]))
+    pcm = np.zeros((rows, 3 * HOP), np.float32)
+    _, moved = publish(seg, batch.requests, None, np.array([], np.int64), pcm, np.arange(rows))
+    assert moved == [rows - 1]  # the last row is not answered: the slot is someone else's now
+    assert int(seg.field["state"][slots[-1]]) == CLAIMED  # its next owner's, untouched
+    assert seg.field["state"][slots[:-1]].tolist() == [DONE] * (rows - 1)
+
+
+def test_gather_leaves_out_a_slot_freed_and_claimed_again_since_its_request_was_confirmed(seg):
+    slots = np.array([1, 2])
+    _ready(seg, 1, [1, 2, 3])
+    _ready(seg, 2, [4, 5])
+    req, _ = check_headers(seg, slots, _seen(slots), n_bells=6)
+    _claimed_again(seg, 2)
+    batch, failures = gather(seg, req, semantic_vocab=8192, global_vocab=4096)
+    assert batch.slots.tolist() == [1]
+    assert [(slot, status) for slot, status, _ in failures] == [(2, Status.BAD_STATE)]
+    assert int(seg.field["state"][2]) == CLAIMED  # not BUSY over its next owner's claim
+
+
+def test_an_error_answer_for_a_slot_claimed_again_is_not_written(seg):
+    _ready(seg, 3, [1, 2], seq=5)
+    req, _ = check_headers(seg, np.array([3]), _seen(np.array([3])), n_bells=6)
+    batch, _ = gather(seg, req, semantic_vocab=8192, global_vocab=4096)
+    _claimed_again(seg, 3)
+    ids = batch.requests.ids[0]
+    assert publish_failure(seg, 3, Status.DECODE_FAILED, "x", ids=ids, notify=NO_BELL) is None
+    assert int(seg.field["state"][3]) == CLAIMED

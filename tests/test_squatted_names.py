@@ -1,74 +1,46 @@
 """A server run by an ordinary user, under a name whose semaphore another user took first.
 
 /dev/shm is sticky: a user who is not root may not remove another user's semaphore there. So
-these tests run the server as an unprivileged uid (``setpriv``), as deployments do; as root the
-server could remove anything, and the problem would not show. They need root (to switch uid and
-to play the other user) and an interpreter that uid can run with this package importable.
+these tests run the server's start as an unprivileged uid (``setpriv``), as deployments do; as
+root the server could remove anything, and the problem would not show. They need root (to
+switch uid and to play the other user): the ``unprivileged_python`` fixture prepares a Python
+that uid may run (skipped without root, but failed under CI).
+
+What runs as that uid is the torch-free part of ``bicodec-shm serve``, the part that meets the
+other user's semaphore: owning the name (``reserve_name``, before the model loads) and creating
+the segment and its semaphores under it (``Segment.create``, as ``DecoderServer`` does), with
+the command's own error line for a refusal. The model and its torch need not be readable by
+that uid (a virtualenv in root's home), so the test runs wherever the suite runs as root.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import site
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 
 import posix_ipc
 import pytest
-from conftest import ROOT
 
 from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
 
-UID = 1000  # the ordinary user the server runs as (no account needed: setpriv takes numbers)
-SETPRIV = shutil.which("setpriv")
-
-
-def _unprivileged_python(home: str) -> tuple[list[str], dict[str, str]] | None:
-    """(command prefix, environment) that runs this package's Python as ``UID``, or None.
-
-    The package under test is copied into ``home`` first: the tree itself may not be readable
-    by that uid (a private temporary copy, a home directory), and an installed copy found
-    instead would be another version of the code."""
-    src = os.path.join(home, "src")
-    shutil.copytree(os.path.join(ROOT, "bicodec_shm"), os.path.join(src, "bicodec_shm"),
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    for directory, _, _ in os.walk(src):
-        os.chmod(directory, 0o755)
-    path = os.pathsep.join([src, *site.getsitepackages()])
-    check = f"import bicodec_shm.tools.cli, torch; assert bicodec_shm.__file__.startswith({src!r})"
-    for python in dict.fromkeys([sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3"]):
-        if not os.path.exists(python):
-            continue
-        prefix = [SETPRIV, f"--reuid={UID}", f"--regid={UID}", "--clear-groups", python]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "PYTHONPATH": path,
-               "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-        try:
-            probe = subprocess.run([*prefix, "-c", check], env=env, cwd=home,
-                                   capture_output=True, timeout=180)  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            return prefix, env
-    return None
-
-
-@pytest.fixture(scope="module")
-def as_user() -> Iterator[tuple[list[str], dict[str, str]]]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: to run the server as another uid and to play the other user")
-    if SETPRIV is None:
-        pytest.skip("needs setpriv (util-linux) to run the server as an unprivileged uid")
-    with tempfile.TemporaryDirectory(prefix="bcshm-unpriv-") as home:
-        os.chmod(home, 0o777)  # the unprivileged server's HOME and working directory
-        found = _unprivileged_python(home)
-        if found is None:
-            pytest.skip(f"no Python that uid {UID} may run imports this package (check the "
-                        "permissions of the interpreter, the tree and its site-packages)")  # fmt: skip
-        yield found
+# ``bicodec-shm serve`` up to its model, as that uid: exits 1 with the command's error line
+# (tools/cli.py) for a refusal, 0 once the segment is made (and unlinked again).
+_SERVE_UNTIL_THE_MODEL = """
+import sys
+from bicodec_shm.errors import BiCodecShmError
+from bicodec_shm.protocol.layout import DEFAULT_START_WAIT
+from bicodec_shm.protocol.names import reserve_name
+from bicodec_shm.protocol.segment import Segment
+name = sys.argv[1]
+try:
+    reserved = reserve_name(name, wait=DEFAULT_START_WAIT)
+    segment = Segment.create(name, n_slots=2, max_tokens=10, reserved=reserved)
+except (BiCodecShmError, ValueError) as exc:
+    print(f"bicodec-shm: error: {exc}", file=sys.stderr)
+    sys.exit(1)
+segment.unlink()
+segment.close()
+"""
 
 
 @pytest.fixture
@@ -98,18 +70,14 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.parametrize("before", ["nothing", "a dead server's leftovers"])
 def test_an_unprivileged_server_under_a_squatted_semaphore_fails_clearly_and_leaves_nothing(
-    as_user, name, before
+    unprivileged_python, name, before
 ):
-    prefix, env = as_user
     if before != "nothing":
-        dead = subprocess.run([*prefix, "-c", _DIE_AFTER_CREATING, name], env=env, cwd=env["HOME"],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        dead = unprivileged_python.run("-c", _DIE_AFTER_CREATING, name)
         assert dead.returncode == -signal.SIGKILL, dead.stderr
         assert f"sem.{name}.ready" in leftover_objects(name) and name in leftover_objects(name)
     _squat(name)
-    serve = subprocess.run([*prefix, "-m", "bicodec_shm", "serve", "--name", name, "--preset", "tiny",
-                            "--threads", "1"], env=env, cwd=env["HOME"], capture_output=True, text=True,
-                           timeout=180)  # fmt: skip
+    serve = unprivileged_python.run("-c", _SERVE_UNTIL_THE_MODEL, name)
     assert serve.returncode == 1, serve.stderr
     assert "Traceback" not in serve.stderr and "PermissionsError" not in serve.stderr, serve.stderr
     assert f"error: cannot create the semaphore /dev/shm/sem.{name}.ready" in serve.stderr, serve.stderr

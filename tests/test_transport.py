@@ -242,8 +242,10 @@ def test_attach_never_resizes(segment, shm_name):
     assert os.stat(f"/dev/shm/{shm_name}").st_size == size
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "x" * 200, "sp ace", "dot.name", "a.", "a.1234", "ümlaut", None])
+@pytest.mark.parametrize("bad", ["", "a/b", "x" * 200, "sp ace", "dot.name", "a.", "a.1234", "ümlaut", None,
+                                 "tts\n", "tts.0\n"])  # fmt: skip
 def test_names_are_validated(bad):
+    # "tts\n": a regular expression's "$" matches before a final newline; a name is matched whole.
     with pytest.raises(ValueError, match="invalid segment name"):
         validate_name(bad)
 

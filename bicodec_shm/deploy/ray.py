@@ -163,7 +163,11 @@ class NodeDecoder:
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM the server (it finishes its batches and unlinks its segment); SIGKILL it and
-        unlink here if it takes longer than ``timeout``. Returns its exit status."""
+        unlink here if it takes longer than ``timeout``. Returns its exit status.
+
+        The SIGKILL goes to the keeper's process group, which holds the keeper and the server
+        it started and nothing else: never to the pid a header names, which any client of the
+        segment could have written."""
         self._stopping.set()
         keeper = self._keeper
         if keeper is None:
@@ -173,10 +177,12 @@ class NodeDecoder:
             try:
                 keeper.wait(timeout)
             except subprocess.TimeoutExpired:
-                pid = _server_pid(self.name)
-                if pid:
-                    os.kill(pid, signal.SIGKILL)
-                keeper.kill()
+                # The keeper leads its own session (``start_new_session``) and is not reaped
+                # yet, so its pid, and the group's, cannot have been reused.
+                try:
+                    os.killpg(keeper.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # every process of the group has exited meanwhile
                 keeper.wait()
                 unlink_all(self.name)
         return keeper.returncode

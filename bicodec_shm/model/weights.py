@@ -11,11 +11,20 @@ A weight-normalised convolution ``NAME`` may be stored in any of three forms (``
 channels for ConvTranspose1d). Loading folds once; the model only ever holds plain weights.
 Keys the decode path does not use (encoder, postnet, ...) are ignored. Each codec's
 ``checkpoint.py`` reads its own folder layout through these.
+
+A model folder may come from anyone, so nothing it asks for is allocated before the file is
+shown to hold it: ``from_pretrained`` builds the model on the meta device
+(:func:`meta_model`, shapes without memory), checks every decode-path tensor's shape and dtype
+in the file against it (:func:`read_state_dict`, :func:`fold_state_dict`), and only then builds
+the real model. A config file is at most ``MAX_CONFIG_BYTES``, a pickle (``.pth``, ``.bin``) at
+most ``MAX_PICKLE_BYTES``, and every message quotes the file through a bounded form.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -23,8 +32,10 @@ from typing import Any, Literal, TypeVar
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import CheckpointError
+from .config_values import clipped, shown
 from .modules import WNConv1d, WNConvTranspose1d
 
 Form = Literal["weight_norm", "parametrizations", "folded"]
@@ -41,6 +52,17 @@ _SUFFIXES: dict[Form, tuple[str, ...]] = {
 
 
 Config = TypeVar("Config")
+
+# A published config.yaml / config.json is 1-3 KB.
+MAX_CONFIG_BYTES = 2**20
+# The pickle inside a .pth / .bin (names, shapes, kwargs; the tensors are separate records) is
+# about 100 KB for a published DAC or SNAC checkpoint.
+MAX_PICKLE_BYTES = 64 * 2**20
+# Weights a config may ask for (the decode path's parameters and buffers): 4 GiB in float32, 11x
+# the largest published decode path (BiCodec's, 96 M).
+MAX_ELEMENTS = 2**30
+# Problems one CheckpointError lists before it only counts the rest.
+MAX_LISTED = 40
 
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
@@ -102,15 +124,110 @@ def read_config_file(file: Path, parse: Callable[[str], Any], language: str,
                      parse_errors: tuple[type[Exception], ...],
                      build: Callable[[Any], Config]) -> Config:  # fmt: skip
     """``build(parse(text of file))``; a file ``parse`` cannot read, or a ValueError of ``build``
-    (the config's own checks), is a CheckpointError naming ``file``."""
+    (the config's own checks), is a CheckpointError naming ``file``. A file over
+    ``MAX_CONFIG_BYTES`` is refused unread."""
     try:
-        doc = parse(file.read_text(encoding="utf-8"))
-    except (*parse_errors, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: not valid {language}: {exc}") from exc
+        with open(file, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read: {exc.strerror or exc}") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes; not a model config")
+    try:
+        doc = parse(data.decode("utf-8"))
+    # ValueError: an integer too long to convert; RecursionError: nesting deeper than the stack.
+    except (*parse_errors, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{file}: not valid {language}: {clipped(str(exc))}") from exc
     try:
         return build(doc)
     except ValueError as exc:
-        raise CheckpointError(f"{file}: {exc}") from exc
+        raise CheckpointError(f"{file}: {clipped(str(exc))}") from exc
+
+
+def load_pickled(file: Path, *, mmap: bool = False) -> Any:
+    """``torch.load(file, weights_only=True)`` (tensors and plain data only, nothing executed) of
+    a file ``torch.save`` wrote; CheckpointError naming ``file`` if it cannot be read. ``mmap``:
+    map the tensors' storage instead of reading it (to read the plain data only).
+
+    Before unpickling, the archive must be as ``torch.save`` writes it: every record stored
+    uncompressed (so that nothing read is larger than the file) and its pickle at most
+    ``MAX_PICKLE_BYTES``.
+    """
+    try:
+        _check_torch_archive(file)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # torch raises many types for a damaged or foreign file
+        raise CheckpointError(f"{file}: cannot read the weights: {clipped(str(exc))}") from exc
+
+
+def _check_torch_archive(file: Path) -> None:
+    """Raise CheckpointError unless ``file`` is as torch.save writes it (see load_pickled)."""
+    if not zipfile.is_zipfile(file):  # the legacy format: one pickle stream, then the storages
+        if os.path.getsize(file) > MAX_PICKLE_BYTES:
+            raise CheckpointError(f"{file}: a legacy (not zip) torch file larger than "
+                                  f"{MAX_PICKLE_BYTES} bytes; save it again with torch.save")  # fmt: skip
+        return
+    with zipfile.ZipFile(file) as archive:
+        for record in archive.infolist():
+            name = shown(record.filename)
+            if record.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(
+                    f"{file}: record {name} is compressed; torch.save stores every record"
+                )
+            if record.filename.endswith(".pkl") and record.file_size > MAX_PICKLE_BYTES:
+                raise CheckpointError(
+                    f"{file}: pickle {name} has {record.file_size} bytes; a checkpoint's is at "
+                    f"most {MAX_PICKLE_BYTES}"
+                )
+
+
+# Weight initialisation's fills, by name (torch.nn.init's and the tensor methods they call).
+_INIT_FILLS = frozenset({"kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+                         "trunc_normal_", "normal_", "uniform_", "constant_", "ones_", "zeros_", "fill_",
+                         "zero_"})  # fmt: skip
+
+
+class _ParametersOnMeta(TorchFunctionMode):
+    """Build a model's parameters on the meta device (shapes and dtypes, no memory).
+
+    Only the factories that parameters are made with (``torch.empty``, ``ones``, ``zeros``,
+    ``full``) go to the meta device, and weight initialisation's fills are skipped: a meta
+    tensor has no values to fill. Buffers computed from ranges (a code table, rotary
+    frequencies) are built as usual: they are small (the config's limits bound them), and torch's
+    meta versions of their ops import ~800 modules (seconds) on first use.
+    """
+
+    FACTORIES = frozenset({torch.empty, torch.ones, torch.zeros, torch.full})
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        elif getattr(func, "__name__", "") in _INIT_FILLS:
+            # Tensor.normal_(t, ...) passes t first; torch.nn.init.normal_(tensor=t, ...) by keyword.
+            target = args[0] if args else kwargs.get("tensor")
+            if getattr(target, "is_meta", False):
+                return target
+        return func(*args, **kwargs)
+
+
+def meta_model(build: Callable[[Any], nn.Module], config: Any, source: Path) -> nn.Module:
+    """``build(config)`` on the meta device: every tensor's shape and dtype, no memory.
+
+    Raises CheckpointError naming ``source`` if the model would hold more than ``MAX_ELEMENTS``
+    weights.
+    """
+    with _ParametersOnMeta():
+        model = build(config)
+    n = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
+    if n > MAX_ELEMENTS:
+        raise CheckpointError(
+            f"{source}: its config asks for {n} weights; a model folder may ask for at most "
+            f"{MAX_ELEMENTS}"
+        )
+    return model
 
 
 def read_state_dict(file: Path, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -128,7 +245,7 @@ def read_state_dict(file: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors raises its own error types for a damaged file
-        raise CheckpointError(f"{file}: cannot read safetensors: {exc}") from exc
+        raise CheckpointError(f"{file}: cannot read safetensors: {clipped(str(exc))}") from exc
     return _fold(plan, tensors)
 
 
@@ -178,12 +295,14 @@ def _plan(
             if key not in meta:
                 missing.append(key)
             elif meta[key][0] != shape:
-                bad.append(f"{key}: expected {shape}, got {meta[key][0]}")
+                bad.append(f"{key}: expected {shape}, got {shown(meta[key][0])}")
             elif meta[key][1] not in _FLOAT_DTYPES:
-                bad.append(f"{key}: expected a floating-point tensor, got dtype {meta[key][1]}")
+                bad.append(f"{key}: expected a floating-point tensor, got dtype {shown(meta[key][1])}")
         plan[name] = keys
     if missing or bad:
         lines = [f"  missing: {k}" for k in missing] + [f"  wrong: {b}" for b in bad]
+        if len(lines) > MAX_LISTED:
+            lines[MAX_LISTED:] = [f"  ... and {len(lines) - MAX_LISTED} more"]
         note = ""
         if any(k.endswith(("weight_g", "weight_v")) for k in missing):
             note = (

@@ -5,17 +5,18 @@ replaces it whole when its server goes away; everything here belongs to one segm
 with it. See layout.py for the layout and the identity rule, and segment.py for the slot states and
 the memory-ordering rule.
 
-- **Slots on demand.** A request takes an idle slot of this attachment, else claims a FREE
-  slot of the segment (up to ``max_slots``), else waits, in short slices, for one to come
-  free. The OFD lock on a claimed slot is its ownership; the kernel drops it if we die. A claim
-  bumps the slot's claim epoch. When the attachment's last request finishes, every slot goes
-  back to the segment but one *warm* slot, which stays CLAIMED with its lock dropped and its
-  ``owner_pid`` 0: the next request re-takes its lock if nobody touched it (same claim epoch),
-  which is cheaper than a claim and lets the server's rejoin window wait for us; and the
-  server's reaper frees it (counting an idle expiry, not a reclaim) at its next tick otherwise,
-  or at once when a claimer finds no FREE slot and says so (the header's ``slot_wanted``, then
-  a ``ready`` post). So an idle handle holds no slot for longer than a reap interval, and
-  idle workers never keep a new one out, nor make it wait for the tick.
+- **Slots on demand.** A request takes an idle slot of this attachment, else claims a FREE slot
+  of the segment (up to ``max_slots``), else waits in line (slot_waits.py): a slot given back
+  goes straight to the oldest live waiter, and nobody claims ahead of it. The OFD lock on a
+  claimed slot is its ownership; the kernel drops it if we die. A claim bumps the slot's claim
+  epoch. When the attachment's last request finishes, every slot goes back to the segment but
+  one *warm* slot, which stays CLAIMED with its lock dropped and its ``owner_pid`` 0: the next
+  request re-takes its lock if nobody touched it (same claim epoch), which is cheaper than a
+  claim and lets the server's rejoin window wait for us; and the server's reaper frees it
+  (counting an idle expiry, not a reclaim) at its next tick otherwise, or at once when a
+  claimer finds no FREE slot and says so (the header's ``slot_wanted``, then a ``ready`` post).
+  So an idle handle holds no slot for longer than a reap interval, and idle workers never keep
+  a new one out, nor make it wait for the tick.
 - **A request is ``(slot, seq)``**: ``take_slot`` hands out both, and every later step (give
   back, let go, the answer's identity check) names both, so a step repeated by an interrupted
   caller can never touch the next request on the same slot.
@@ -52,7 +53,6 @@ import secrets
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -61,9 +61,10 @@ import posix_ipc
 from ..codecs.layout import DEFAULT_NOISE_SEED
 from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
 from .async_answers import AsyncAnswers, resolve
-from .layout import CLAIMED, FREE, READY, OutputDtype, Phase, Status
-from .segment import Segment, drain
-from .waiting import SLICE, Gone, Wakeups
+from .layout import CLAIMED, DONE, FREE, READY, OutputDtype, Phase, Status
+from .segment import Segment, drain, post
+from .slot_waits import SlotWaits
+from .waiting import SLICE, Gone, Line, Wakeups
 
 _FLOAT32 = int(OutputDtype.FLOAT32)
 
@@ -74,7 +75,7 @@ class _User:
     __slots__ = ("__weakref__",)
 
 
-class Attachment(AsyncAnswers):
+class Attachment(AsyncAnswers, SlotWaits):
     """The mapped segment of one server incarnation and what this process owns in it.
 
     Args:
@@ -87,19 +88,21 @@ class Attachment(AsyncAnswers):
 
     def __init__(self, name: str, *, max_slots: int, owner_uid: int | None) -> None:
         self.segment = Segment.attach(name, owner_uid=owner_uid)
-        header = self.segment.header
-        # Limits the client validates against, read once (the header is fixed after start).
-        self.semantic_vocab = int(header["semantic_vocab"])
-        self.global_vocab = int(header["global_vocab"])
-        self.max_tokens = int(header["max_tokens"])
-        self.codec = self.segment.codec  # the served codec's token layout (codecs.CodecLayout)
-        self.n_slots = int(header["n_slots"])
+        # Limits the client validates against: from the copy of the header that attaching
+        # checked (its digest), never read again from the header, which any client may write.
+        layout = self.segment.layout
+        self.codec = layout.codec  # the served codec's token layout (codecs.CodecLayout)
+        self.semantic_vocab = self.codec.level_vocab[0]
+        self.global_vocab = self.codec.global_vocab
+        self.max_tokens = layout.max_tokens
+        self.n_slots = layout.n_slots
         self.name = name
         self.max_slots = max_slots
         self.handle_id = secrets.randbits(63)
         self.seq = itertools.count(1)
         self.lock = threading.Lock()
-        self.changed = Wakeups()  # a slot came back, or users dropped (under ``lock``)
+        self.changed = Wakeups()  # the last user of a retired attachment left (under ``lock``)
+        self.line = Line()  # requests waiting for a slot of ours, oldest first (under ``lock``)
         self.owned: set[int] = set()  # slots whose lock we hold, each in use or idle
         self.idle: list[int] = []  # a hint: owned slots not in use, the most recently used last
         self.warm: tuple[int, int] | None = None  # (slot, claim epoch) let go of while warm
@@ -111,7 +114,6 @@ class Attachment(AsyncAnswers):
         # One claim, or one drop of a slot lock, at a time: see the module docstring.
         self.claim_lock = threading.Lock()
         self.generation: dict[int, int] = {}  # slot -> the claim epoch we own it at
-        self.async_slot_waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self.pending: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.bell: int | None = None
         self.waiter: threading.Thread | None = None
@@ -194,81 +196,46 @@ class Attachment(AsyncAnswers):
 
     # -- slots -------------------------------------------------------------------------------
 
-    def take_slot(self, deadline: float, seq: int | None = None) -> tuple[int, int]:
-        """(slot, seq): an owned slot for request ``seq`` (a new number if None); blocks (in
-        slices) until one is free."""
-        if seq is None:
-            seq = self.new_seq()
-        while True:
-            slot, claimed = self._take_or_claim(seq)
-            if slot is not None:
-                return slot, seq
-            if claimed:  # the segment had no FREE slot
-                self._wait_for_segment_slot(deadline)
-            else:
-                with self.lock:
-                    waiter = None
-                    if not self.owned.difference(self.using) and self.retired is None:
-                        waiter = self.changed.add()
-                if waiter is not None:
-                    self._sleep(waiter, min(SLICE, max(0.0, deadline - time.monotonic())))
-            self._check_slot_wait(deadline)
-
     def _sleep(self, waiter: threading.Lock, timeout: float) -> None:
         """Sleep on ``waiter`` (from ``changed.add()``) until woken or ``timeout``; outside the
-        attachment's lock, so that an exception from a signal handler here leaves that lock as
-        it was (see ``_Wakeups``)."""
+        attachment's lock (see ``Wakeups``)."""
         try:
             waiter.acquire(timeout=timeout)
         finally:
             with self.lock:
                 self.changed.discard(waiter)
 
-    async def take_slot_async(self, deadline: float, seq: int | None = None) -> tuple[int, int]:
-        """``take_slot`` for asyncio: never blocks the event loop."""
-        loop = asyncio.get_running_loop()
-        if seq is None:
-            seq = self.new_seq()
-        while True:
-            slot, claimed = self._take_or_claim(seq)
-            if slot is not None:
-                return slot, seq
-            if claimed:  # no FREE slot in the segment: look again shortly (only under exhaustion)
-                with self.use() as seg:
-                    _ask_for_a_slot(seg)
-                await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-            else:
-                future = loop.create_future()
-                entry = (loop, future)
-                with self.lock:
-                    self.async_slot_waiters.append(entry)
-                try:
-                    left = max(0.0, deadline - time.monotonic())
-                    await asyncio.wait_for(asyncio.shield(future), min(SLICE, left))
-                except asyncio.TimeoutError:
-                    pass
-                finally:
-                    with self.lock:
-                        if entry in self.async_slot_waiters:
-                            self.async_slot_waiters.remove(entry)
-            self._check_slot_wait(deadline)
-
-    def _take_or_claim(self, seq: int) -> tuple[int | None, bool]:
-        """An idle slot of ours, else a FREE slot of the segment if our limit allows one, for
-        request ``seq``. Returns (the slot or None, whether a claim was tried): with None, the
-        caller waits for one of ours to come back (no claim allowed) or for the segment (none
-        was FREE)."""
-        slot, may_claim = self._take_local(seq)
+    def _take_or_claim(self, seq: int, deadline: float,
+                       loop: asyncio.AbstractEventLoop | None) -> tuple[int | None, bool]:  # fmt: skip
+        """The slot handed to request ``seq`` in line, else an idle slot of ours, else a FREE
+        slot of the segment if our limit allows one and nobody is in line before it. Returns
+        (the slot or None, whether a claim was tried): with None, the request is in line
+        (``loop``: its event loop, None for a thread) and waits to be handed a slot or to come
+        first, or (a claim was tried) for the segment to have a FREE slot."""
+        slot, may_claim = self._take_local(seq, deadline, loop)
         if slot is None and may_claim:
             slot = self._claim_or_none(seq)
+            if slot is None:
+                with self.lock:  # in line from now on: whoever comes later waits behind it
+                    self.line.join(seq, deadline, loop)
+        if slot is not None:
+            self._leave_line(seq, passing_on=False)
         return slot, may_claim
 
-    def _take_local(self, seq: int) -> tuple[int | None, bool]:
+    def _take_local(self, seq: int, deadline: float,
+                    loop: asyncio.AbstractEventLoop | None) -> tuple[int | None, bool]:  # fmt: skip
         with self.lock:
             if self.retired is not None:
                 raise self._retired_error()
+            waiter = self.line.get(seq)
+            if waiter is not None:
+                waiter.rearm()  # before looking: a wake-up from here on is not lost
+                for slot, holder in self.using.items():
+                    if holder == seq:
+                        return slot, False  # handed to us by ``give``
             # Idle means owned and not in use; the list only remembers which was used last (an
-            # interruption may leave an entry stale, or a slot out of it).
+            # interruption may leave an entry stale, or a slot out of it). A slot is idle only
+            # while nobody is in line: ``give`` hands it to the oldest waiter instead.
             while self.idle:
                 slot = self.idle.pop()
                 if slot in self.owned and slot not in self.using:
@@ -279,19 +246,13 @@ class Attachment(AsyncAnswers):
                 slot = spare.pop()
                 self.using[slot] = seq
                 return slot, False
+            first = self.line.first(self.using)
             may_claim = len(self.owned) + len(self.claimers) < self.max_slots
-            if may_claim:
+            if may_claim and (first is None or first is waiter):  # nobody in line before us
                 self.claimers.add(seq)  # undone by _claim_or_none, or by abandon(seq)
-            return None, may_claim
-
-    def _check_slot_wait(self, deadline: float) -> None:
-        self.check_alive()
-        if time.monotonic() >= deadline:
-            raise DecodeTimeoutError(
-                f"timed out waiting for a free slot on {self.name!r}: this handle's "
-                f"{self.max_slots} slots, or all {self.n_slots} of the server, are busy "
-                "(raise the handle's `slots`, the server's --slots, or the timeout)"
-            )
+                return None, True
+            self.line.join(seq, deadline, loop)
+            return None, False
 
     def _claim_or_none(self, seq: int) -> int | None:
         """Claim one FREE slot of the segment (lock first, then re-check) for request ``seq``;
@@ -334,12 +295,15 @@ class Attachment(AsyncAnswers):
         """Make a FREE slot whose lock we just took (it is in ``loose``) request ``seq``'s
         (transition 1). Interrupted anywhere, the slot is still in ``loose``: ``_settle``
         frees it if it got as far as CLAIMED, and unlocks it otherwise."""
-        # Stale posts of an earlier owner's life must not answer our first request (and if one
-        # comes late, its identity names the earlier claim epoch: it is skipped).
+        # Stale posts of an earlier owner's life should not wake our first request (a bounded
+        # drain: a flood of posts must not keep us here under the claim lock; any post left,
+        # or coming late, names an earlier claim epoch or request: it is skipped).
         drain(seg.done(slot))
         drain(seg.req(slot))
         f = seg.field
-        gen = int(f["generation"][slot]) + 1  # a new claim epoch: we hold the lock, nobody else writes it
+        # A new claim epoch: we hold the lock, nobody else writes it (a buggy client may have
+        # left any value there: it wraps, as the reaper's in-place bump does).
+        gen = (int(f["generation"][slot]) + 1) % 2**64
         self.generation[slot] = gen  # remembered before it is written: _settle knows our epoch
         f["generation"][slot] = gen
         f["owner_pid"][slot] = os.getpid()
@@ -381,15 +345,6 @@ class Attachment(AsyncAnswers):
                     seg.unlock_slot(slot)
             self.loose.discard(slot)  # (a lock held by another process is not ours to settle)
 
-    def _wait_for_segment_slot(self, deadline: float) -> None:
-        """Sleep until some client or the reaper posts ``free``, or one slice passes."""
-        left = max(0.0, deadline - time.monotonic())
-        # With requests of our own in flight, one of our slots may come back sooner.
-        timeout = min(SLICE / 5 if self.using else SLICE, left)
-        with self.use() as seg:
-            _ask_for_a_slot(seg)
-            seg.wait(seg.free, timeout)  # a timeout, or a signal: the caller looks again
-
     def give(self, slot: int, seq: int) -> None:
         """Request ``seq`` is finished with ``slot`` (state CLAIMED): reuse it, or give it back.
 
@@ -398,12 +353,14 @@ class Attachment(AsyncAnswers):
         with self.lock:
             if self.retired is not None or self.using.get(slot) != seq:
                 return  # retired (the slots go with the attachment), or given back already
+            waiter = self.line.first(self.using)
+            if waiter is not None:
+                # Straight to the oldest waiter, never idle in between for a newcomer to take.
+                self.using[slot] = waiter.seq  # one store: the slot is that request's
+                waiter.wake()  # it finds the slot booked to it, and leaves the line with it
+                return
             del self.using[slot]  # one store: the slot is idle (owned, not in use)
             self.idle.append(slot)
-            self.changed.notify_all()
-            if self.async_slot_waiters:
-                resolve(*self.async_slot_waiters.popleft(), None, True)
-                return
             quiescent = not self.using and not self.claimers
         if quiescent:
             self._release()
@@ -425,7 +382,7 @@ class Attachment(AsyncAnswers):
                 self.loose.add(slot)
                 self.owned.discard(slot)
                 del self.using[slot]
-                self.changed.notify_all()
+                self.line.wake_first(self.using)  # room for a claim: the oldest waiter's
             try:
                 with self.use() as seg:
                     seg.unlock_slot(slot)
@@ -440,6 +397,8 @@ class Attachment(AsyncAnswers):
         Idempotent, so a caller may repeat it."""
         with self.lock:
             self.claimers.discard(seq)
+            if self.line.leave(seq):
+                self.line.wake_first(self.using)
             for slot, entry in list(self.pending.items()):
                 if entry[0] == seq:
                     del self.pending[slot]
@@ -558,13 +517,19 @@ class Attachment(AsyncAnswers):
             # Order matters: payload and fields above, then the state word, then req.I (the
             # server reads the request only after taking it), then the wake-up doorbell.
             f["state"][slot] = READY
-            seg.req(slot).release()
-            seg.ready.release()
+            post(seg.req(slot))
+            post(seg.ready)
 
     def is_answer(self, seg: Segment, slot: int, seq: int) -> bool:
         """Whether the result in ``slot`` answers request ``seq`` of ours (read only after
-        taking ``done.I``): the identity rule of layout.py."""
-        return seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq]
+        taking ``done.I``): the identity rule of layout.py.
+
+        The state first: the server writes DONE last, after the answer's identity. A post
+        taken before the server's own (a stale one, or a flood of them) may come while the
+        server is still between the two; taking the answer then, and submitting the next
+        request, would have that DONE land on top of it."""
+        return (seg.field["state"][slot] == DONE
+                and seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq])  # fmt: skip
 
     def wait_result(self, slot: int, seq: int, deadline: float) -> np.ndarray:
         """Block until request ``seq`` in ``slot`` is answered; its PCM (a private copy).
@@ -622,13 +587,11 @@ class Attachment(AsyncAnswers):
                 return
             self.retired = reason
             pending, self.pending = list(self.pending.values()), {}
-            slot_waiters, self.async_slot_waiters = list(self.async_slot_waiters), deque()
             self.changed.notify_all()
+            self.line.wake_all()  # each finds the attachment retired
             unused = not self.users
         for _, loop, future in pending:
             resolve(loop, future, self._retired_error(), False)
-        for loop, future in slot_waiters:
-            resolve(loop, future, None, True)
         if unused:
             self._unmap()
 
@@ -683,14 +646,3 @@ class Attachment(AsyncAnswers):
         seg, self.segment = self.segment, None
         if seg is not None:
             seg.close()
-
-
-def _ask_for_a_slot(seg: Segment) -> None:
-    """Tell the server that a claimer found no FREE slot, so that it reaps at once (idle
-    handles' warm slots come back only through the reaper) instead of at its next tick.
-
-    A fresh random value each time, not a count: whatever way several claimers' stores
-    interleave, the last one differs from what the server last acted on. Then ``ready`` wakes
-    the server (a wake-up only; the server reads the value after draining it)."""
-    seg.header["slot_wanted"] = secrets.randbits(63) | 1
-    seg.ready.release()

@@ -205,13 +205,14 @@ class GroupInfo:
         return member_names(self.name, len(self.devices))
 
 
-def read_group(name: str) -> GroupInfo | None:
+def read_group(name: str, *, owner_uid: int | None = None) -> GroupInfo | None:
     """The group under ``name``, or None if ``name`` is not a group object (absent, or a
     single server's segment). A dead or starting group comes back with ``alive`` False.
 
-    Raises ``SegmentError`` for a group object of another version.
+    Raises ``SegmentError`` for a group object of another version, and for an object that is
+    not ``owner_uid``'s (default: this process's euid).
     """
-    record = read_record(name, GROUP_DT)
+    record = read_record(name, GROUP_DT, owner_uid=owner_uid)
     if record is None:
         return None
     h, alive = record
@@ -235,17 +236,21 @@ def read_group(name: str) -> GroupInfo | None:
     )
 
 
-def member_stats(name: str) -> dict | None:
+def member_stats(name: str, *, owner_uid: int | None = None) -> dict | None:
     """``stats_from_header`` of the segment ``name`` plus ``server_alive``; None if there is
-    no complete segment under ``name`` (the member is down or starting)."""
-    record = read_record(name, HEADER_DT)
+    no complete segment of ours under ``name`` (the member is down or starting, or another
+    user's object has its name)."""
+    try:
+        record = read_record(name, HEADER_DT, owner_uid=owner_uid)
+    except SegmentError:
+        return None
     if record is None or int(record[0]["magic"]) != MAGIC:
         return None
     header, serving = record
     return stats_from_header(header) | {"server_alive": serving}
 
 
-def group_stats(info: GroupInfo) -> dict:
+def group_stats(info: GroupInfo, *, owner_uid: int | None = None) -> dict:
     """The group's members side by side (``bicodec-shm stats N``, ``DecoderClient.get_stats``).
 
     Returns ``{"group", "supervisor_pid", "supervisor_alive", "members": {member: dict}}`` plus
@@ -255,7 +260,7 @@ def group_stats(info: GroupInfo) -> dict:
     members: dict[str, dict] = {}
     for member, device, restarts in zip(info.members, info.devices, info.restarts):
         entry: dict = {"device": device, "restarts": restarts}
-        stats = member_stats(member)
+        stats = member_stats(member, owner_uid=owner_uid)
         entry |= stats if stats is not None else {"server_alive": False}
         members[member] = entry
     return {"group": info.name, "supervisor_pid": info.supervisor_pid,

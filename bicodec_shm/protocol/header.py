@@ -7,12 +7,13 @@ record at the start of ``/dev/shm/NAME`` after probing its SERVING lock (see seg
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 import posix_ipc
 
-from ..codecs.layout import CodecLayout
+from ..codecs.layout import MAX_FRAMES, CodecLayout
 from ..errors import SegmentError
 from .layout import (
     BUSY,
@@ -22,6 +23,7 @@ from .layout import (
     LAYOUT_VERSION,
     MAGIC,
     MAX_LEVELS,
+    MAX_SLOTS,
     READY,
     SERVING_BYTE,
     SLOT_DT,
@@ -31,6 +33,7 @@ from .layout import (
 )
 from .locks import held_elsewhere
 from .names import validate_name
+from .objects import open_object
 
 
 def _read_layout(name: str, fd: int) -> Layout:
@@ -45,11 +48,26 @@ def _read_layout(name: str, fd: int) -> Layout:
             f"/dev/shm/{name} has layout version {int(h['version'])}, this client speaks "
             f"version {LAYOUT_VERSION}: upgrade the client or the server so they match"
         )
+    if int(h["digest"]) != description_digest(h):
+        raise SegmentError(
+            f"/dev/shm/{name}: its header was overwritten (its description does not match its "
+            "digest), by a client that writes where it should not; the server restores it "
+            "within a reap interval: attach again"
+        )
     try:
         codec = read_codec(h)
     except ValueError as exc:
         raise SegmentError(f"/dev/shm/{name}: the header's codec layout is invalid ({exc})") from None
-    layout = Layout(int(h["n_slots"]), int(h["max_tokens"]), codec)
+    # What a reader allocates or maps is bounded by the layout's own limits (those a server
+    # is created with) and by the object's real size, never by a header field alone: anyone
+    # who may write the header (a buggy client) could claim millions of slots.
+    n_slots, max_tokens = int(h["n_slots"]), int(h["max_tokens"])
+    if not (1 <= n_slots <= MAX_SLOTS and 1 <= max_tokens <= MAX_FRAMES):
+        raise SegmentError(
+            f"/dev/shm/{name}: its header says {n_slots} slots of {max_tokens} frames; a segment "
+            f"has 1..{MAX_SLOTS} slots of 1..{MAX_FRAMES} frames"
+        )
+    layout = Layout(n_slots, max_tokens, codec)
     if (
         int(h["header_size"]) != HEADER_SIZE
         or int(h["slot_size"]) != SLOT_DT.itemsize
@@ -63,6 +81,24 @@ def _read_layout(name: str, fd: int) -> Layout:
     return layout
 
 
+# The header fields that describe the segment: fixed once the server wrote them, and what a
+# client attaching relies on. Every client can write the header, so the server keeps its own
+# copy of them (``Segment.restore_description``, at each reap) and a digest of them in
+# ``digest``: a client attaching to a header that someone overwrote gets a clear error (and
+# attaches correctly once the server restored it), never a segment it reads wrong.
+DESCRIPTION = ("version", "header_size", "n_slots", "max_tokens", "n_global", "slot_size", "total_size",
+               "semantic_vocab", "global_vocab", "server_epoch", "server_uid", "max_batch", "codec",
+               "n_levels", "level_rates", "level_vocab", "samples_per_frame", "sample_rate",
+               "end_trim")  # fmt: skip
+
+
+def description_digest(h: np.void | np.ndarray) -> int:
+    """The 64-bit digest of a header's ``DESCRIPTION`` fields (a 0-d HEADER_DT array or a void)."""
+    h = np.asarray(h)  # a void's bytes fields would lose their trailing NULs
+    data = b"".join(h[f].tobytes() for f in DESCRIPTION)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 def write_codec(h: np.ndarray, codec: CodecLayout) -> None:
     """Write ``codec`` into a header (0-d HEADER_DT array); its ``n_global``/``global_vocab``
     are the header's own fields, shared with version 3."""
@@ -74,6 +110,7 @@ def write_codec(h: np.ndarray, codec: CodecLayout) -> None:
     h["sample_rate"] = codec.sample_rate
     h["n_global"] = codec.n_global
     h["global_vocab"] = codec.global_vocab
+    h["end_trim"] = codec.end_trim
 
 
 def read_codec(h: np.void | np.ndarray) -> CodecLayout:
@@ -89,6 +126,7 @@ def read_codec(h: np.void | np.ndarray) -> CodecLayout:
         sample_rate=int(h["sample_rate"]),
         n_global=int(h["n_global"]),
         global_vocab=int(h["global_vocab"]),
+        end_trim=int(h["end_trim"]),
     )
 
 
@@ -100,25 +138,28 @@ def codec_name(h: np.void | np.ndarray) -> str:
         return "unknown"
 
 
-def read_record(name: str, dtype: np.dtype) -> tuple[np.void, bool] | None:
+def read_record(name: str, dtype: np.dtype, *, owner_uid: int | None = None) -> tuple[np.void, bool] | None:
     """A private copy of the ``dtype`` record at the start of ``/dev/shm/NAME``, unvalidated,
     and whether a live process holds the object's SERVING lock; None if the name does not
     exist or is too small. (A segment's header, or a server group's record: group.py.)
+
+    Raises ``SegmentError`` for an object that is not ``owner_uid``'s (default: this
+    process's euid; see ``objects.open_object``): its record and its locks say nothing.
 
     The lock is probed before the record is read: its holder wrote the record before taking
     the lock (see "Memory ordering")."""
     validate_name(name)
     try:
-        shm = posix_ipc.SharedMemory(f"/{name}")
-    except posix_ipc.Error:
+        fd = open_object(name, owner_uid=owner_uid)
+    except posix_ipc.ExistentialError:
         return None
     try:
-        serving = held_elsewhere(shm.fd, SERVING_BYTE)
-        if os.fstat(shm.fd).st_size < dtype.itemsize:
+        serving = held_elsewhere(fd, SERVING_BYTE)
+        if os.fstat(fd).st_size < dtype.itemsize:
             return None
-        return np.frombuffer(os.pread(shm.fd, dtype.itemsize, 0), dtype, 1)[0].copy(), serving
+        return np.frombuffer(os.pread(fd, dtype.itemsize, 0), dtype, 1)[0].copy(), serving
     finally:
-        shm.close_fd()
+        os.close(fd)
 
 
 def read_header(name: str) -> np.void | None:
@@ -155,6 +196,7 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
         "failed_by_status": failed,
         "reclaimed": int(h["reclaimed"]),
         "idle_slots_expired": int(h["expired"]),
+        "dropped_answers": int(h["dropped"]),
         "tokens": tokens,
         "padded_tokens": padded,
         "padding_share": (padded - tokens) / padded if padded else 0.0,
@@ -163,6 +205,7 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
         "avg_latency_ms": int(h["latency_ns"]) / 1e6 / completed if completed else 0.0,
         "avg_batch_time_ms": int(h["decode_ns"]) / 1e6 / batches if batches else 0.0,
         "host_gap_ms": int(h["host_gap_ns"]) / 1e6,
+        "waited_ms": int(h["waited_ns"]) / 1e6,
         "lane_busy_ms": int(h["lane_busy_ns"]) / 1e6,
         "batch_size_histogram": {b: n for b, n in enumerate(hist) if n},
     }
@@ -171,7 +214,8 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
 def read_slot_owners(name: str) -> dict | None:
     """Who holds the slots of the segment ``name`` right now, from a private copy of its slot
     table: ``{"owned", "ready", "busy", "attached_clients"}`` (slots in every state but FREE,
-    READY, BUSY; distinct client handles holding one). None if there is no valid segment.
+    READY, BUSY; distinct client handles holding one). None if nothing has the name; raises
+    ``SegmentError`` if what has it is not a valid segment of ours (``_read_layout``).
 
     Handles are told by ``handle_id``, not ``owner_pid``: an idle handle's warm slot (let go
     of, ``owner_pid`` 0, until the reaper frees it) still counts for its handle.
@@ -179,17 +223,14 @@ def read_slot_owners(name: str) -> dict | None:
     Read without pairing, like the counters: a snapshot for ``stats``, a moment old."""
     validate_name(name)
     try:
-        shm = posix_ipc.SharedMemory(f"/{name}")
-    except posix_ipc.Error:
+        fd = open_object(name)
+    except posix_ipc.ExistentialError:
         return None
     try:
-        try:
-            layout = _read_layout(name, shm.fd)
-        except SegmentError:
-            return None
-        raw = os.pread(shm.fd, layout.n_slots * SLOT_DT.itemsize, layout.slots_off)
+        layout = _read_layout(name, fd)
+        raw = os.pread(fd, layout.n_slots * SLOT_DT.itemsize, layout.slots_off)
     finally:
-        shm.close_fd()
+        os.close(fd)
     slots = np.frombuffer(raw, SLOT_DT, layout.n_slots)
     owned = slots["state"] != FREE
     holders = slots["handle_id"][owned]

@@ -57,8 +57,12 @@ GROUP_MAGIC = 0x5052475F43444342  # b"BCDC_GRP" little-endian
 CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
 # 3: answers carry their request's identity; 4: the codec seam; 5: a SNAC request's start frame;
 # 6: a header describes up to 64 code levels (DAC 24 kHz has 32 codebooks); 7: idle handles'
-# warm slots freed by the reaper are counted apart from reclaimed ones (``expired``)
-LAYOUT_VERSION = 7
+# warm slots freed by the reaper are counted apart from reclaimed ones (``expired``); 8: the
+# codec's ``end_trim`` (an answer has the decoder's own length: DAC 24/16 kHz 8 samples short);
+# 9: answers dropped because their slot was freed under the batch are counted (``dropped``),
+# and a digest of the segment's description (``digest``); 10: a lane's deliberate waits for its
+# clients are counted apart from the host gap (``waited_ns``)
+LAYOUT_VERSION = 10
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -172,6 +176,8 @@ HEADER_DT = np.dtype(
         ("host_gap_ns", "<u8"),  # a lane idle while decodable work waited for the host
         ("lane_busy_ns", "<u8"),  # lanes' time inside the decoder, summed over lanes
         ("expired", "<u8"),  # idle handles' warm slots the reaper freed (``reclaimed``: the rest)
+        ("dropped", "<u8"),  # decoded rows not answered: their client freed the slot under the batch
+        ("waited_ns", "<u8"),  # a lane holding ready work back on purpose (not in host_gap_ns)
         ("batch_hist", "<u8", (HIST_BINS,)),
         ("failed_by_status", "<u8", (N_STATUS,)),
         ("queue_hist", "<u8", (N_TIME_BINS,)),  # per request, TIME_BUCKETS
@@ -188,14 +194,21 @@ HEADER_DT = np.dtype(
         # random value here and posts ``ready``; the server reaps at once when it changed
         # (server/server.py, ``_reap_if_due``). A hint, never computed with.
         ("slot_wanted", "<u8"),
+        # The codec layout's end_trim (after the rest of the header: every other field keeps
+        # its offset).
+        ("end_trim", "<u4"),
+        # A digest of the fields that describe the segment (``header.DESCRIPTION``), written by
+        # the server before the magic: a client attaching refuses a header someone overwrote.
+        ("digest", "<u8"),
     ],
     align=True,
 )
 
 COUNTERS = ("requests", "batches", "failed", "reclaimed", "tokens", "padded_tokens",
-            "queue_wait_ns", "decode_ns", "latency_ns", "host_gap_ns", "lane_busy_ns", "expired")  # fmt: skip
+            "queue_wait_ns", "decode_ns", "latency_ns", "host_gap_ns", "lane_busy_ns", "expired",
+            "dropped", "waited_ns")  # fmt: skip
 (C_REQUESTS, C_BATCHES, C_FAILED, C_RECLAIMED, C_TOKENS, C_PADDED, C_QUEUE_WAIT, C_DECODE,
- C_LATENCY, C_HOST_GAP, C_LANE_BUSY, C_EXPIRED) = range(len(COUNTERS))  # fmt: skip
+ C_LATENCY, C_HOST_GAP, C_LANE_BUSY, C_EXPIRED, C_DROPPED, C_WAITED) = range(len(COUNTERS))  # fmt: skip
 assert [HEADER_DT.fields[c][1] for c in COUNTERS] == [
     HEADER_DT.fields[COUNTERS[0]][1] + 8 * i for i in range(len(COUNTERS))
 ], "counters must be contiguous"

@@ -23,9 +23,8 @@ import struct
 import threading
 from collections.abc import Callable
 
-import posix_ipc
-
 from .layout import DEFAULT_MODE
+from .objects import REMEDY, open_object
 
 # struct flock on Linux (x86-64 and aarch64): short type, short whence, off_t start, off_t len,
 # pid_t pid (must be 0 for OFD locks), padded to 32 bytes.
@@ -64,10 +63,12 @@ _fork_guard = threading.Lock()
 after_close_in_child: list[Callable[[], None]] = []
 
 
-def _open_lock_fd(name: str, flags: int = 0, mode: int = DEFAULT_MODE) -> int:
-    """Open ``/dev/shm/NAME`` for a lock descriptor of ours (posix_ipc errors propagate)."""
+def _open_lock_fd(name: str, flags: int = 0, mode: int = DEFAULT_MODE, *, owner_uid: int | None = None,
+                  remedy: str = REMEDY) -> int:  # fmt: skip
+    """Open ``/dev/shm/NAME`` for a lock descriptor of ours: only ``owner_uid``'s object (see
+    ``objects.open_object``, whose errors propagate)."""
     with _fork_guard:
-        fd = posix_ipc.SharedMemory(f"/{name}", flags, mode=mode, size=0).fd
+        fd = open_object(name, flags, mode, owner_uid=owner_uid, remedy=remedy)
         _lock_fds.add(fd)
     return fd
 

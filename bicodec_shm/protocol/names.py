@@ -42,18 +42,20 @@ from .layout import (
     Phase,
 )
 from .locks import _lock_fds, _open_lock_fd, close_lock_fd, held_elsewhere, try_lock
+from .objects import open_object
 
 log = logging.getLogger("bicodec_shm.protocol")
 
 # Names: a base of letters, digits, _ and -, and for members of a server group a ".K" suffix.
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,120}(\.[0-9]{1,3})?$")
+# Matched whole (``fullmatch``): "$" would also match before a trailing newline.
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,120}(\.[0-9]{1,3})?")
 # What follows "sem.NAME." for the semaphores of NAME (and of no other name).
 _SEM_SUFFIX_RE = re.compile(r"^(ready|free|(req|done|bell)\.[0-9]+)$")
 
 
 def validate_name(name: str) -> str:
     """Return ``name`` if it is a usable segment name, else raise ``ValueError``."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(
             f"invalid segment name {name!r}: use 1-120 characters from A-Z a-z 0-9 _ - "
             "(optionally followed by a group member suffix .0 to .999)"
@@ -133,7 +135,7 @@ def reserve_name(name: str, *, mode: int = DEFAULT_MODE, wait: float = 0.0) -> i
 def _remove_unowned_reservation(name: str) -> None:
     try:
         fd = _open_lock_fd(name)
-    except posix_ipc.Error:
+    except (posix_ipc.Error, BiCodecShmError):  # gone, or not ours: nothing of ours to remove
         return
     try:
         if try_lock(fd, OWNER_BYTE) and os.fstat(fd).st_size == 0 and _same_inode(fd, name):
@@ -183,7 +185,7 @@ def sweep_dead(prefix: str, directory: str = "/dev/shm") -> int:
         return 0
     removed = 0
     for entry in entries:
-        if entry.startswith(prefix) and _NAME_RE.match(entry) and probe(entry) is ServerState.DEAD:
+        if entry.startswith(prefix) and _NAME_RE.fullmatch(entry) and probe(entry) is ServerState.DEAD:
             try:
                 removed += remove_dead(entry)
             except (BiCodecShmError, OSError, posix_ipc.Error):
@@ -194,8 +196,8 @@ def sweep_dead(prefix: str, directory: str = "/dev/shm") -> int:
 def is_stopping(name: str) -> bool:
     """True if the server under ``name`` has begun to stop (it may still finish batches)."""
     try:
-        fd = posix_ipc.SharedMemory(f"/{validate_name(name)}").fd
-    except posix_ipc.Error:
+        fd = open_object(validate_name(name))
+    except (posix_ipc.Error, BiCodecShmError):  # gone, or not ours
         return False
     try:
         return _stopping(fd)
@@ -215,40 +217,43 @@ def unlink_all(name: str) -> int:
 def _same_inode(fd: int, name: str) -> bool:
     """True if ``/dev/shm/NAME`` still names the inode open as ``fd``."""
     try:
-        other = posix_ipc.SharedMemory(f"/{name}")
-    except posix_ipc.Error:
+        other = open_object(name, owner_uid=os.fstat(fd).st_uid)
+    except (posix_ipc.Error, BiCodecShmError):  # gone, or something else (a link, another's)
         return False
     try:
-        a, b = os.fstat(fd), os.fstat(other.fd)
+        a, b = os.fstat(fd), os.fstat(other)
         return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
     finally:
-        other.close_fd()
+        os.close(other)
 
 
 class ServerState(enum.Enum):
     """What ``probe`` finds under a name."""
 
-    ABSENT = "absent"  # nothing, or not a segment of ours
+    ABSENT = "absent"  # nothing, or not a segment of ours (another user's object, a link)
     SERVING = "serving"  # a live server takes requests
     BUSY = "busy"  # a live server is starting or stopping (it holds the name, not SERVING)
     DEAD = "dead"  # leftovers of a server that died: the next server takes them over
 
 
-def probe(name: str) -> ServerState:
-    """Find out, by its locks, whether a server lives under ``name`` (no pids involved)."""
+def probe(name: str, *, owner_uid: int | None = None) -> ServerState:
+    """Find out, by its locks, whether a server lives under ``name`` (no pids involved).
+
+    Only an object of ``owner_uid`` (default: this process's euid, whom clients trust by
+    default) counts: another user's, whose locks anybody may hold, is ABSENT."""
     validate_name(name)
     try:
-        shm = posix_ipc.SharedMemory(f"/{name}")
-    except posix_ipc.Error:
+        fd = open_object(name, owner_uid=owner_uid)
+    except (posix_ipc.Error, BiCodecShmError):
         return ServerState.ABSENT
     try:
-        if held_elsewhere(shm.fd, SERVING_BYTE):
+        if held_elsewhere(fd, SERVING_BYTE):
             return ServerState.SERVING
-        if held_elsewhere(shm.fd, OWNER_BYTE):
+        if held_elsewhere(fd, OWNER_BYTE):
             return ServerState.BUSY
         return ServerState.DEAD
     finally:
-        shm.close_fd()
+        os.close(fd)
 
 
 def _own_name(name: str, mode: int, deadline: float) -> int:
@@ -262,15 +267,13 @@ def _own_name(name: str, mode: int, deadline: float) -> int:
     while True:
         created = True
         try:
-            fd = _open_lock_fd(name, posix_ipc.O_CREX, mode)
+            fd = _open_lock_fd(name, os.O_CREAT | os.O_EXCL, mode)
         except posix_ipc.ExistentialError:
             created = False
             try:
-                fd = _open_lock_fd(name)
+                fd = _open_lock_fd(name, remedy="remove it (as its owner) or choose another --name")
             except posix_ipc.ExistentialError:
                 continue  # unlinked in between: try to create it again
-            except posix_ipc.PermissionsError as e:
-                raise SegmentError(f"/dev/shm/{name} exists and this user may not open it ({e})") from None
         if not try_lock(fd, OWNER_BYTE):
             # A server that serves but has begun to stop (it finishes its running batches
             # first) is waited for like one starting: a rolling restart's successor.

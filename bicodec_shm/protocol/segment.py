@@ -14,9 +14,11 @@ Slot states (``SlotState``), and who moves a slot from each::
                             epoch) and drains the slot's stale posts
     2. CLAIMED -> READY     client: payload, fields, request identity, state; then post req.I,
                             then post ready
-    3. READY   -> BUSY      server, after taking req.I, when the slot joins a batch
-    4. BUSY    -> DONE      server: PCM, status, answer identity, state; then post done.I (and
-                            bell J), then the slot leaves the batch's held set
+    3. READY   -> BUSY      server, after taking req.I, when the slot joins a batch (if it is
+                            still READY at the request's claim epoch)
+    4. BUSY    -> DONE      server: PCM, status, answer identity, state (if it is still BUSY at
+                            the request's epoch); then post done.I (and bell J), then the slot
+                            leaves the batch's held set
     5. DONE    -> CLAIMED   client, after taking done.I and checking the answer's identity
     6. CLAIMED -> FREE      client, for a slot in state CLAIMED only (then unlock, post free)
     7. any     -> FREE      the server's reaper, holding the slot's lock after its owner died
@@ -26,7 +28,9 @@ Nobody else frees a slot. A client that lets go of a slot in any other state (cl
 request READY, BUSY or DONE, or dying) only drops the slot's lock: the reaper frees it, and the
 reaper never touches a slot that a batch holds, so every free is ordered after the server's
 last write to the slot and its last post (``tests/test_protocol_model.py`` checks this rule,
-and finds the cross-delivery that freeing a DONE slot on close caused).
+and finds the cross-delivery that freeing a DONE slot on close caused). A buggy client that
+frees its slot under a batch anyway loses only its own request: the epoch checks of 3 and 4
+leave the slot to whoever claims it next (slot_io.py, ``moved_on``).
 
 Memory ordering (the rule every reader follows). Plain stores to shared memory carry no ordering
 on weakly ordered CPUs (aarch64: GH200, Grace): a reader may see a slot's state word change
@@ -75,7 +79,7 @@ from ..errors import (
     SharedMemoryFullError,
 )
 from . import locks
-from .header import _read_layout, write_codec
+from .header import DESCRIPTION, _read_layout, description_digest, write_codec
 from .layout import (
     BELL_BYTE0,
     CODEC_NAME_BYTES,
@@ -109,19 +113,52 @@ from .names import (
     size_new_object,
     validate_name,
 )
+from .objects import open_object
 from .semwait import Waiter
 
 log = logging.getLogger("bicodec_shm.protocol")
 
-def drain(sem: posix_ipc.Semaphore) -> int:
-    """Take every pending post of ``sem`` without blocking; returns how many there were."""
-    n = 0
-    while True:
+# What a client that may not attach can do about it (``open_object``'s message ends with it).
+_ATTACH_REMEDY = ("a server creates it with mode 0o600 (its user only) unless started with --mode "
+                  "0o660; pass owner_uid= to trust another user's server")  # fmt: skip
+
+# The most posts one ``drain`` takes. Whoever may open a semaphore may post it, as fast as a
+# core allows (tens of millions a second, faster than they can be taken): a drain that ran
+# until the semaphore was empty would never end under such a flood. A bounded drain is enough,
+# because nothing trusts a post: the scan that follows a ``ready`` drain looks at every READY
+# slot, and an answer is read only if its identity names the request (layout.py), so whatever
+# posts a drain leaves behind cost a spurious wake-up at most. Well-behaved peers leave a few.
+DRAIN_MOST = 64
+
+
+def drain(sem: posix_ipc.Semaphore, most: int = DRAIN_MOST) -> int:
+    """Take the pending posts of ``sem`` without blocking, at most ``most`` of them (a flood
+    of posts must not keep the caller here); returns how many it took."""
+    for n in range(most):
         try:
             sem.acquire(0)
         except posix_ipc.BusyError:
             return n
-        n += 1
+    return most
+
+
+def take_post(sem: posix_ipc.Semaphore) -> bool:
+    """Take one post of ``sem`` if there is one, without blocking."""
+    try:
+        sem.acquire(0)
+        return True
+    except posix_ipc.BusyError:
+        return False
+
+
+def post(sem: posix_ipc.Semaphore) -> None:
+    """Post ``sem``; one already at its maximum value (a flood of posts) is left as it is: it
+    holds posts enough to wake whoever waits, and our post says nothing more."""
+    try:
+        sem.release()
+    except OSError as exc:
+        if exc.errno != errno.EOVERFLOW:
+            raise
 
 
 _live_segments: weakref.WeakSet[Segment] = weakref.WeakSet()
@@ -142,7 +179,7 @@ class Segment:
     The server creates it (``Segment.create``), clients attach (``Segment.attach``).
     ``close()`` runs in every process; ``unlink()`` only in the server that created it. Views:
 
-    - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (12,) u8;
+    - ``header``: 0-d structured array (``HEADER_DT``); ``counters``: its counters as (13,) u8;
       ``histograms``: queue, latency and decode histograms as one (3·N_TIME_BINS,) u8
     - ``slots``: (n_slots,) structured array (``SLOT_DT``); ``field[name]``: one field of it
     - ``tokens``: (n_slots, max_tokens·codes_per_frame) int32, every level's codes (see
@@ -161,6 +198,7 @@ class Segment:
     _sems: dict[str, posix_ipc.Semaphore] | None = None
     _per_slot: dict[str, list] = {}
     _creator: bool = False
+    _description: np.ndarray | None = None  # the creator's copy of its header
     _waiter: Waiter = Waiter()  # replaced per instance; this one has nothing to close
 
     def __init__(self, name: str, lock_fd: int, layout: Layout) -> None:
@@ -179,17 +217,20 @@ class Segment:
         # A separate open for the mapping: mmap dups the descriptor it maps, and that dup would
         # share the lock descriptor's open file description, and so its locks, with every
         # process that inherits it.
+        b = os.fstat(self._lock_fd)
         try:
-            shm = posix_ipc.SharedMemory(f"/{self.name}")
+            fd = open_object(self.name, owner_uid=b.st_uid)
         except posix_ipc.ExistentialError:  # unlinked since our lock descriptor's open (a restart)
             raise ServerUnavailableError(f"{self.name!r} was removed while attaching") from None
+        except SegmentError:  # something else has the name now (a link, another user's)
+            raise ServerUnavailableError(f"{self.name!r} was replaced while attaching") from None
         try:
-            a, b = os.fstat(shm.fd), os.fstat(self._lock_fd)
+            a = os.fstat(fd)
             if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
                 raise ServerUnavailableError(f"{self.name!r} was replaced while attaching")
-            self._mmap = mmap.mmap(shm.fd, self.layout.total_size)
+            self._mmap = mmap.mmap(fd, self.layout.total_size)
         finally:
-            shm.close_fd()
+            os.close(fd)
         buf, lay = self._mmap, self.layout
         self.header = np.ndarray((), HEADER_DT, buf, 0)
         self.counters = np.ndarray((len(COUNTERS),), "<u8", buf, HEADER_DT.fields[COUNTERS[0]][1])
@@ -281,8 +322,10 @@ class Segment:
             h["server_uid"] = os.geteuid()
             h["server_epoch"] = secrets.randbits(63)
             h["phase"] = Phase.CREATING
+            h["digest"] = description_digest(h)
             # Order matters: magic last, so that a reader never accepts a half-written header.
             h["magic"] = MAGIC
+            seg._description = h.copy()  # the server's own copy (``restore_description``)
         except BaseException:
             seg.unlink()  # our own objects only: a foreign semaphore stays where it is
             seg.close()
@@ -329,6 +372,15 @@ class Segment:
         if not try_lock(self._lock_fd, SERVING_BYTE):
             raise ServerAlreadyRunningError(f"could not take the serving lock of {self.name!r}")
 
+    def restore_description(self) -> None:
+        """Write the segment's description back into the header from the server's own copy
+        (the server only): a client may have overwritten it (see ``header.DESCRIPTION``)."""
+        h, mine = self.header, self._description
+        if h is None or mine is None:
+            return
+        for f in (*DESCRIPTION, "digest", "magic"):  # magic last, as at creation
+            h[f] = mine[f]
+
     def stop_serving(self) -> None:
         """Release the SERVING lock: clients now resubmit what this server has not answered."""
         if self._lock_fd >= 0:
@@ -350,26 +402,15 @@ class Segment:
         """
         validate_name(name)
         try:
-            fd = _open_lock_fd(name)  # no size: never re-truncate
+            # Only ``owner_uid``'s object (default: ours), checked on the descriptor itself.
+            fd = _open_lock_fd(name, owner_uid=owner_uid, remedy=_ATTACH_REMEDY)
         except posix_ipc.ExistentialError:
             raise ServerUnavailableError(
                 f"no bicodec-shm server is running under the name {name!r} "
                 f"(/dev/shm/{name} does not exist); start one with `bicodec-shm serve --name {name}`"
             ) from None
-        except posix_ipc.PermissionsError as e:
-            raise SegmentError(
-                f"/dev/shm/{name} exists but this user may not open it ({e}); the server "
-                "creates it with mode 0o600 (owner only) unless started with --mode 0o660"
-            ) from None
         # ``fd`` becomes the lock descriptor; nothing else dups it.
         try:
-            expected = os.geteuid() if owner_uid is None else owner_uid
-            owner = os.fstat(fd).st_uid
-            if owner != expected:
-                raise SegmentError(
-                    f"/dev/shm/{name} belongs to uid {owner}, not to uid {expected}: refusing "
-                    "to attach (pass owner_uid= / --server-uid to trust that user's server)"
-                )
             if not held_elsewhere(fd, SERVING_BYTE):
                 raise ServerUnavailableError(
                     f"{name!r} exists but no server serves it right now (it is starting, "

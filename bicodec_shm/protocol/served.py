@@ -3,7 +3,7 @@
 ``/dev/shm`` holds every POSIX shared-memory object of this IPC namespace. A name is served if
 the object's first 8 bytes are a segment's or a server group's magic and a live process holds
 its SERVING lock (``header.read_record``: one open per name, no pid trusted). Objects of
-other users that this user may not open are not listed: they could not be attached anyway.
+other users are not listed: a client would not attach to them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 
+from ..errors import BiCodecShmError
 from .header import read_record
 from .layout import GROUP_MAGIC, MAGIC
 from .names import validate_name
@@ -35,8 +36,8 @@ def served_names() -> dict[str, str]:
         try:
             validate_name(entry)
             record = read_record(entry, _MAGIC_DT)
-        except (ValueError, OSError):
-            continue  # not a name of ours, or gone in between
+        except (ValueError, OSError, BiCodecShmError):
+            continue  # not a name of ours, another user's object, or gone in between
         if record is None or not record[1]:
             continue
         magic = int(record[0]["magic"])

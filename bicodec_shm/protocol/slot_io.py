@@ -7,7 +7,8 @@ the private copy of the ids that the model will see (a client cannot change them
 check), and every length is clamped to what the slot holds.
 
 Shapes: ``B`` rows in the batch, ``T`` the longest row's frames (BiCodec: semantic tokens),
-``N = spf·T`` samples (``spf`` the codec's samples per frame, 320 for BiCodec). The codes of
+``N = spf·T`` samples (``spf`` the codec's samples per frame, 320 for BiCodec; ``end_trim``
+fewer for a codec whose decoder ends short, ``CodecLayout.decoded_samples``). The codes of
 level ``i`` are (B, r_i·T), ``r_i`` its codes per frame (``seg.codec``).
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .layout import BUSY, DONE, ERROR_TEXT_BYTES, NO_BELL, READY, REQUEST_ID, SLOT_DT, Status
-from .segment import Segment
+from .segment import Segment, post
 
 log = logging.getLogger("bicodec_shm.server")
 
@@ -302,6 +303,7 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
     if codec.n_levels > 1:
         codes += [_gather_level(seg, req, i, t) for i in range(1, codec.n_levels)]
     failures: list[Failure] = []
+    bad = None  # (B,) bool of the rows left out, once there are any
     # One reduction per array: seen as uint64, a negative id is >= 2**63, so "0 <= id < vocab"
     # is "id < vocab" (the copies are fresh C-contiguous int64 arrays, never empty: t >= 1).
     in_range = all(_MAX(c.view(np.uint64), axis=None) < v for c, v in zip(codes, vocabs))
@@ -325,6 +327,13 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
                 failures.append((int(req.slots[j]), Status.BAD_GLOBAL,
                                  f"global id {int(global_ids[j, pos])} at position {pos} is outside "
                                  f"0..{global_vocab - 1}"))  # fmt: skip
+    # Last, right before the state store: a slot its owner freed (and someone else may have
+    # claimed) since its request was confirmed is not that request's any more.
+    moved = _not_ready_at_epoch(seg, req)
+    if moved is not None:
+        failures += [(slot, Status.BAD_STATE, f"slot {slot} was freed by its client before it was batched")
+                     for slot in req.slots[moved].tolist()]  # fmt: skip
+        bad = moved if bad is None else bad | moved
     if failures:
         keep = ~bad
         if not keep.any():
@@ -339,6 +348,19 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
     f["t_start_ns"][where] = now
     f["state"][where] = BUSY
     return Batch(req, semantic, global_ids, now, tuple(codes[1:])), failures
+
+
+def _not_ready_at_epoch(seg: Segment, req: Requests) -> np.ndarray | None:
+    """(B,) bool of the rows of ``req`` whose slot is no longer READY at the epoch its request
+    named, or None if there is none (the common case: two scalar reads for one row)."""
+    f = seg.field
+    if len(req) == 1:
+        s = int(req.slots[0])
+        if f["state"][s] == READY and f["generation"][s] == req.ids[0, 1]:
+            return None
+        return np.ones(1, bool)
+    moved = (f["state"][req.slots] != READY) | (f["generation"][req.slots] != req.ids[:, 1])
+    return moved if moved.any() else None
 
 
 def _gather_level(seg: Segment, req: Requests, level: int, t: int) -> np.ndarray:
@@ -356,12 +378,14 @@ def _gather_level(seg: Segment, req: Requests, level: int, t: int) -> np.ndarray
 
 
 def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.ndarray,
-            pcm32: np.ndarray | None, rows32: np.ndarray) -> int:  # fmt: skip
+            pcm32: np.ndarray | None, rows32: np.ndarray) -> tuple[int, list[int]]:  # fmt: skip
     """Write a decoded batch's audio and results into its slots (then ``ring`` them).
 
     ``pcm16`` (B16, N) int16 holds the rows ``rows16`` of ``req``; ``pcm32`` (B32, N) float32
     the rows ``rows32``. N covers the longest row; each row's samples past its own length are
-    written too (zeros) but never read. Returns the time of publishing (monotonic ns).
+    written too (zeros) but never read. Returns the time of publishing (monotonic ns) and the
+    rows left unanswered because their slot moved on under the batch (``moved_on``): ring
+    only the others.
     """
     if len(req) == 1:  # scalar stores: the common case at low load
         s = int(req.slots[0])
@@ -372,11 +396,14 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
         now = time.monotonic_ns()
         f = seg.field
         f["status"][s] = Status.OK
-        f["n_samples"][s] = int(req.lengths[0]) * seg.codec.samples_per_frame
+        f["n_samples"][s] = seg.codec.decoded_samples(int(req.lengths[0]))
         seg.result_id[s] = req.ids[0]  # the answer names its request
         f["t_done_ns"][s] = now
-        f["state"][s] = DONE  # order matters, as below
-        return now
+        # Order matters, as below: the check right before the state word.
+        if f["state"][s] != BUSY or f["generation"][s] != req.ids[0, 1]:
+            return now, [0]
+        f["state"][s] = DONE
+        return now, []
     slots = req.slots
     # rows16 and rows32 are ascending row indices: all of them (the common case) is every slot.
     if len(rows16):
@@ -386,24 +413,46 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
     now = time.monotonic_ns()
     f = seg.field
     f["status"][slots] = Status.OK
-    f["n_samples"][slots] = req.lengths * seg.codec.samples_per_frame
+    f["n_samples"][slots] = seg.codec.decoded_samples(req.lengths)
     seg.result_id[slots] = req.ids  # each answer names its request
     f["t_done_ns"][slots] = now
-    # Order matters: audio and result fields above, then the state word; the posts (``ring``)
-    # come after the caller has counted the batch, so that an owner who reads the counters
-    # right after its answer sees its request in them.
+    # Order matters: audio and result fields above, then the check, then the state word; the
+    # posts (``ring``) come after the caller has counted the batch, so that an owner who reads
+    # the counters right after its answer sees its request in them.
+    moved = moved_on(seg, req)
+    if moved.any():
+        f["state"][slots[~moved]] = DONE
+        return now, np.flatnonzero(moved).tolist()
     f["state"][slots] = DONE
-    return now
+    return now, []
+
+
+def moved_on(seg: Segment, req: Requests) -> np.ndarray:
+    """(B,) bool: the rows of ``req`` whose slot is no longer BUSY at the claim epoch the
+    request named, because its owner freed it under the batch (no well-behaved client does,
+    but any client may write its slot's state word) and maybe someone claimed it since.
+
+    Their answer must not be published: DONE and the old identity would overwrite the next
+    owner's READY, which the dispatcher skipped while the slot was held, and that request
+    would never be answered. The audio and result fields written before the check are
+    harmless: a slot's owner reads them only after its own request's DONE and post. Only the
+    moment between this check and the state store is left to a race (a free and a new
+    claim and submit within it)."""
+    f = seg.field
+    slots = req.slots
+    return (f["state"][slots] != BUSY) | (f["generation"][slots] != req.ids[:, 1])
 
 
 def publish_failure(seg: Segment, slot: int, status: int, message: str, *,
-                    ids: np.ndarray | None = None, notify: int | None = None) -> int:  # fmt: skip
+                    ids: np.ndarray | None = None, notify: int | None = None) -> int | None:  # fmt: skip
     """Write an error as one request's answer (then ``ring`` it with the returned bell).
 
     ``ids`` (3,) (the request's identity) and ``notify`` come from a validated copy of the
-    header when known; else they are read from the slot now.
+    header when known; else they are read from the slot now. With ``ids``, a slot that is no
+    longer READY or BUSY at the epoch they name is not answered (see ``moved_on``): None.
     """
     f = seg.field
+    validated = ids is not None
     if ids is None:
         ids = seg.request_id[slot].copy()
     if notify is None:
@@ -415,6 +464,8 @@ def publish_failure(seg: Segment, slot: int, status: int, message: str, *,
     f["error"][slot] = message.encode("utf-8")[:ERROR_TEXT_BYTES]
     seg.result_id[slot] = ids
     f["t_done_ns"][slot] = time.monotonic_ns()
+    if validated and (f["state"][slot] not in (READY, BUSY) or f["generation"][slot] != ids[1]):
+        return None
     f["state"][slot] = DONE  # order matters: after the result fields, before the post
     return notify
 
@@ -426,8 +477,8 @@ def ring(seg: Segment, slots: list[int], bells: list[int]) -> None:
     waiting for an answer that is already written."""
     for slot, bell in zip(slots, bells):
         try:
-            seg.done(slot).release()  # the pairing post: the owner reads the result after taking it
+            post(seg.done(slot))  # the pairing post: the owner reads the result after taking it
             if bell != NO_BELL:
-                seg.bell(bell).release()  # a wake-up only, after done.I
+                post(seg.bell(bell))  # a wake-up only, after done.I
         except Exception:  # noqa: BLE001 - a semaphore error must not cost the other rows
             log.exception("could not ring slot %d", slot)

@@ -12,6 +12,7 @@ requests.
     reaping.py      reclaiming the slots of clients that are gone
     adapters.py     the codec seam: a batch of requests -> the decoder's tensors and back
     metrics.py      the Prometheus endpoint over the segment's live counters
+    metrics_http.py its HTTP side: one event-loop thread, request deadlines, bounded connections
     signals.py      SIGINT and SIGTERM as a graceful stop
 
 May import: ``model``, ``protocol``, ``codecs`` and ``errors`` (torch is imported by server.py

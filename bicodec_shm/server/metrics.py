@@ -1,8 +1,10 @@
 """Prometheus metrics of a running server, read from its segment at scrape time.
 
 ``DecoderServer(..., metrics_port=P)`` (``bicodec-shm serve --metrics-port P``) starts a
-``MetricsExporter``: an HTTP endpoint ``/metrics`` served by ``prometheus_client`` (the
-``[metrics]`` extra) from a daemon thread of the server process. Nothing is counted twice: a
+``MetricsExporter``: an HTTP endpoint ``/metrics`` on the loopback address unless told another
+(``--metrics-host``), rendered by ``prometheus_client`` (the ``[metrics]`` extra) and served by
+``metrics_http.MetricsEndpoint`` from one daemon thread of the server process (an idle or slow
+connection costs no thread, and times out). Nothing is counted twice: a
 custom collector copies the segment header once per scrape (the same header ``bicodec-shm
 stats`` reads) and turns it into metric families, so the numbers agree with ``stats`` exactly.
 Those reads are not paired with the server's writes (protocol/segment.py, "Memory ordering"): fine for
@@ -19,8 +21,10 @@ Metrics (Triton's and vLLM's conventions: counters end in ``_total``, times are 
       bicodec_shm_padded_tokens_total                 token positions computed (rows x longest)
       bicodec_shm_reclaimed_slots_total               slots taken back from clients that died or gave up
       bicodec_shm_idle_slots_expired_total            idle handles' warm slots freed (routine)
+      bicodec_shm_dropped_answers_total               decoded rows whose client freed the slot meanwhile
       bicodec_shm_lane_busy_seconds_total             lanes' time inside the decoder, summed
       bicodec_shm_host_gap_seconds_total              a lane idle while work waited for the host
+      bicodec_shm_dispatch_wait_seconds_total         a lane holding ready work back on purpose
     histograms
       bicodec_shm_request_queue_time_seconds          per decoded request: submit -> batch start
       bicodec_shm_request_latency_seconds             per decoded request: submit -> result
@@ -54,10 +58,13 @@ from ..errors import MissingExtraError
 from ..protocol.header import codec_name
 from ..protocol.layout import BUSY, FREE, HIST_BINS, N_STATUS, READY, TIME_BUCKETS, Status
 from ..protocol.segment import Segment
+from .metrics_http import MetricsEndpoint
 
 log = logging.getLogger("bicodec_shm.metrics")
 
 METRICS_EXTRA = 'pip install "bicodec-shm[metrics]"'
+# Only this host may scrape unless the operator names another address (--metrics-host).
+DEFAULT_HOST = "127.0.0.1"
 # Upper bounds (rows) of the batch-size histogram; the header's bin b counts batches of b rows,
 # and its last bin (HIST_BINS - 1 = 64) batches of 64 rows *or more*.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -94,7 +101,7 @@ def metric_families(header: np.ndarray, state: np.ndarray, handle_id: np.ndarray
 
     h = header
     seconds = {k: int(h[k]) / _NS for k in ("queue_wait_ns", "latency_ns", "decode_ns", "lane_busy_ns",
-                                             "host_gap_ns")}  # fmt: skip
+                                             "host_gap_ns", "waited_ns")}  # fmt: skip
     out: list[Any] = []
 
     def counter(metric: str, doc: str, value: float) -> None:
@@ -128,10 +135,16 @@ def metric_families(header: np.ndarray, state: np.ndarray, handle_id: np.ndarray
     counter("bicodec_shm_idle_slots_expired_total",
             "Idle handles' warm slots freed after the reap interval (routine; not a leak).",
             int(h["expired"]))  # fmt: skip
+    counter("bicodec_shm_dropped_answers_total",
+            "Decoded rows left unanswered because their client freed the slot while it was being "
+            "decoded (a client bug).", int(h["dropped"]))  # fmt: skip
     counter("bicodec_shm_lane_busy_seconds_total", "Time the decode lanes spent in the decoder, summed "
             "over lanes.", seconds["lane_busy_ns"])  # fmt: skip
     counter("bicodec_shm_host_gap_seconds_total", "Time a lane sat idle while decodable work waited "
             "for the host (gathering, planning, publishing).", seconds["host_gap_ns"])  # fmt: skip
+    counter("bicodec_shm_dispatch_wait_seconds_total", "Time a lane held ready requests back on "
+            "purpose, for its clients to come back or the batch to grow (not host gap).",
+            seconds["waited_ns"])  # fmt: skip
 
     def time_histogram(metric: str, doc: str, bins: np.ndarray, total_s: float) -> None:
         cumulative = np.cumsum(np.asarray(bins, np.uint64)).tolist()
@@ -231,13 +244,14 @@ class MetricsExporter:
     Args:
         segment: the server's own segment (the live header and slot table are read from it).
         port: TCP port; 0 picks a free one (then read ``.port``).
-        host: address to bind ("0.0.0.0": every IPv4 interface; "127.0.0.1": this host only).
+        host: address to bind: "127.0.0.1" (the default) lets only this host scrape; "0.0.0.0"
+            (every IPv4 interface) or "::" exposes the counters to the network, on purpose.
 
     Raises ``MissingExtraError`` without prometheus_client, and ``ValueError`` for a port out
     of range or one that cannot be bound (in use, or a bad host).
     """
 
-    def __init__(self, segment: Segment, *, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, segment: Segment, *, port: int, host: str = DEFAULT_HOST) -> None:
         prometheus_client = require_prometheus_client()
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be an integer in 0..65535 (0: any free port), got {port!r}")
@@ -255,11 +269,17 @@ class MetricsExporter:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
+        from prometheus_client.exposition import choose_encoder
+
+        def render(accept: str) -> tuple[bytes, str]:
+            encoder, content_type = choose_encoder(accept)  # text, or OpenMetrics if asked
+            return encoder(self.registry), content_type
+
         try:
-            self._httpd, self._thread = prometheus_client.start_http_server(port, host, self.registry)
+            self._endpoint: MetricsEndpoint | None = MetricsEndpoint(host, port, render)
         except OSError as e:  # in use, not permitted, or an address this host does not have
             raise ValueError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
-        self.port: int = int(self._httpd.server_port)
+        self.port: int = self._endpoint.port
         log.info("metrics of %r on http://%s:%d/metrics", segment.name, host, self.port)
 
     @property
@@ -268,11 +288,9 @@ class MetricsExporter:
 
     def close(self) -> None:
         """Stop the endpoint and release the port (idempotent); the segment is not read after."""
-        httpd, self._httpd = getattr(self, "_httpd", None), None
-        if httpd is not None:
-            httpd.shutdown()  # ends serve_forever (within its 0.5 s poll)
-            httpd.server_close()  # releases the port
-            self._thread.join()
+        endpoint, self._endpoint = getattr(self, "_endpoint", None), None
+        if endpoint is not None:
+            endpoint.close()  # releases the port
         self._collector.close()  # a scrape already being answered finishes before this returns
 
     def __enter__(self) -> MetricsExporter:

@@ -26,6 +26,12 @@ from .counters import Counters
 log = logging.getLogger("bicodec_shm.server")
 
 
+def slot_wanted(seg: Segment) -> int:
+    """The header's ``slot_wanted``: a claimer that found no free slot changed it (and posted
+    ``ready``), so a reap is due now. Client-written and read without pairing: only compared."""
+    return int(seg.header["slot_wanted"])
+
+
 def reap_dead_owners(seg: Segment, held_lock: threading.Lock, held: dict[int, int], confirmed: dict[int, int],
                      *, answer_failure: Callable[..., None], counters: Counters,
                      asked: bool = False) -> int:  # fmt: skip
@@ -66,7 +72,9 @@ def reap_dead_owners(seg: Segment, held_lock: threading.Lock, held: dict[int, in
             f["generation"][slot] += 1  # a late result can never match the next owner
             confirmed.pop(slot, None)
             try:
-                drain(seg.req(slot))  # the last owner's posts must not reach the next one
+                # The last owner's posts should not wake the next one (bounded: a flood of
+                # posts must not keep us here under the held lock; any left fail the identity).
+                drain(seg.req(slot))
                 drain(seg.done(slot))
             finally:
                 seg.free_slot(slot)

@@ -42,19 +42,17 @@ import torch
 from ..errors import BiCodecShmError, ServerUnavailableError
 from ..model.devices import exact_cuda_math
 from ..protocol.layout import (
-    CLAIMED,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODE,
     DEFAULT_SLOTS,
     DEFAULT_START_WAIT,
-    DONE,
     NO_BELL,
     READY,
     Phase,
     Status,
 )
 from ..protocol.names import validate_name
-from ..protocol.segment import Segment, drain
+from ..protocol.segment import Segment, drain, post, take_post
 from ..protocol.slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
 from .adapters import Detokenizer, codec_adapter, device_of
 from .batch_costs import BATCHING_MODES, BatchPlanner
@@ -70,13 +68,13 @@ from .dispatch_policy import DispatchPolicy
 from .lane_control import LaneControl
 from .lane_tuner import LaneTuning
 from .lanes import STOP, WAIT, Decoded, Lane, Runner, lane_threads
-from .reaping import reap_dead_owners
+from .reaping import reap_dead_owners, slot_wanted
+from .rejoin import Rejoin
 from .signals import on_stop_signals
 
 log = logging.getLogger("bicodec_shm.server")
 
 DEFAULT_REAP_INTERVAL = 0.25  # seconds; a dead client's slots come back within about this
-_COMING_BACK = frozenset((CLAIMED, DONE))  # an answered slot whose client may send again
 
 
 class DecoderServer:
@@ -100,8 +98,8 @@ class DecoderServer:
         mode: permission bits of every object (0o600: this user only; 0o660: also the group).
         reap_interval: seconds between scans for slots of dead clients.
         lanes: decode lanes (threads sharing the weights, splitting the cores on CPU); None:
-            1 on CUDA; on a CPU with 2+ cores, chosen while serving among 1, 2 and 4 lanes
-            (up to the cores) by measuring each on the live traffic (lane_tuner.py).
+            1 on CUDA; on a CPU with 2+ cores, predicted from the first batches' load, then
+            chosen among 1, 2 and 4 (up to the cores) by measuring each live (lane_tuner.py).
         lane_tuning: the measuring's knobs (``LaneTuning``) when ``lanes`` is None on a CPU.
         batching: "auto": batch only where the batches measured so far say it pays
             (batch_costs.py), within the bounds above; "static": every row the bounds admit.
@@ -111,7 +109,8 @@ class DecoderServer:
         start_wait: seconds to wait for a server that is stopping under the same name.
         metrics_port: serve Prometheus metrics on this TCP port (0: any free port; None: off).
             Needs the ``[metrics]`` extra (prometheus_client).
-        metrics_host: the address the metrics endpoint binds to.
+        metrics_host: the address the metrics endpoint binds to: the loopback (only this host
+            scrapes) unless another is named ("0.0.0.0" exposes it on every IPv4 interface).
         reserved: the name's lock descriptor from ``protocol.names.reserve_name``, taken before
             the model loaded; the segment is created on it (and it is released if creating
             the segment fails).
@@ -143,7 +142,7 @@ class DecoderServer:
         dispatch: str = "auto",
         start_wait: float = DEFAULT_START_WAIT,
         metrics_port: int | None = None,
-        metrics_host: str = "0.0.0.0",
+        metrics_host: str = "127.0.0.1",
         reserved: int | None = None,
     ) -> None:
         validate_name(name)
@@ -209,7 +208,7 @@ class DecoderServer:
         # (a wake-up of the fill window costs no concatenation). Rows of slots no longer
         # confirmed are dropped lazily.
         self._checked: list[Requests] = []
-        self._answered: dict[int, int] = {}  # slot -> its length: answered since the last plan
+        self._rejoin = Rejoin(self._policy, rejoin_ms)  # the answered clients a lane may wait for
         self._dispatch = threading.Lock()  # held by the lane that plans the next batch
         self._next_reap = time.monotonic()
         self._reap_asked = 0  # the header's ``slot_wanted`` when the reaper last ran (a hint)
@@ -321,8 +320,11 @@ class DecoderServer:
 
     def stop(self) -> None:
         """Ask the server to finish the batches its lanes hold and exit (safe from any thread
-        and from a signal handler); queued requests are left for the next server."""
+        and from a signal handler); queued requests are left for the next server. The bound:
+        ``serve_forever`` returns once the batches running now are answered (nothing else it
+        waits on, the doorbell or a parked lane's turn, outlasts a stop)."""
         self._stop.set()
+        self._lanes.wake()  # parked lanes look at the stop now, not at their next poll
         seg = self._segment
         if seg is not None:
             try:
@@ -330,7 +332,7 @@ class DecoderServer:
                 # than give up because we still serve the batches we hold.
                 if seg.header is not None:
                     seg.header["phase"] = Phase.STOPPING
-                seg.ready.release()  # wake the dispatcher now rather than at the next tick
+                post(seg.ready)  # wake the dispatcher now rather than at the next tick
             except (posix_ipc.Error, BiCodecShmError, TypeError):
                 pass
 
@@ -386,6 +388,7 @@ class DecoderServer:
         ``block`` is False and nothing is ready; ``WAIT`` if the dispatch policy would rather
         let ``running`` (the lane's batch in flight) end and its clients come back first."""
         with self._dispatch:
+            self._rejoin.take_waited_ns()  # what this take waits on purpose is counted from here
             if self._stop.is_set():
                 return STOP
             batch = self._next_batch(block, running)
@@ -413,18 +416,16 @@ class DecoderServer:
             if not waiting:
                 if not block:
                     return None
-                if self._slot_wanted(seg) != self._reap_asked:
+                if slot_wanted(seg) != self._reap_asked:
                     # A claimer asked after the reap above, and its ``ready`` post went in
                     # the scan's drain: reap now, or it waits for the tick.
                     continue
+                if self._stop.is_set():  # a stop since the loop's check: its post went in the
+                    break  # scan's drain, and the doorbell would sleep until the reap tick
                 self._wait_doorbell(seg, max(0.0, self._next_reap - time.monotonic()))
                 continue
-            # A pipelined lane waits for the clients of the batch before the running one while
-            # that runs (the device is busy); a sequential lane only where the policy says.
-            if self.rejoin_ms > 0 and waiting < self.max_batch and (self._pipeline or self._rejoin_pays(seg)):
-                # While a batch runs, no longer than rejoin_ms: the device must not wait for it.
-                window = self.rejoin_ms if running is not None else self._policy.wait_window_ms()
-                waiting = self._let_answered_clients_rejoin(seg, waiting, window)
+            if waiting < self.max_batch:  # the clients just answered, where waiting pays (rejoin.py)
+                waiting = self._let_answered_clients_rejoin(seg, waiting, running is not None)
             if self.max_wait_ms > 0 and waiting < self.max_batch:
                 waiting = self._let_batch_grow(seg, waiting)
             if not waiting:  # every one left while we waited (reaped, say): look again
@@ -433,8 +434,9 @@ class DecoderServer:
             ready = self._ready_requests()
             key = self._cost_key()
             if running is not None and self._wants_wait(ready, running.lengths.tolist(), key):
+                self._rejoin.told_to_wait()
                 return WAIT
-            self._answered.clear()
+            self._rejoin.answered.clear()
             chosen = self._planner.plan(ready.lengths, ready.seen_ns, key=key, max_rows=self._share(waiting))
             req = ready.take(chosen)
             chosen_slots = req.slots.tolist()
@@ -468,11 +470,9 @@ class DecoderServer:
 
         return self._policy.should_wait(ready.lengths, ready.seen_ns, coming, fit, predict)
 
-    def _rejoin_pays(self, seg: Segment) -> bool:
-        """A sequential lane: wait for the clients just answered (``_answered``)?"""
-        states = seg.field["state"]
-        coming = [n for slot, n in list(self._answered.items()) if int(states[slot]) in _COMING_BACK]
-        return bool(coming) and self._wants_wait(self._ready_requests(), coming, self._cost_key())
+    def _rejoin_pays(self, coming: list[int]) -> bool:
+        """Wait for the answered clients of ``coming`` (their last lengths) before this plan?"""
+        return self._wants_wait(self._ready_requests(), coming, self._cost_key())
 
     def _ready_requests(self) -> Requests:
         """The confirmed requests found by ``_scan``, validated, as one ``Requests``."""
@@ -489,7 +489,7 @@ class DecoderServer:
         now = None
         new = []
         for slot in (seg.field["state"] == READY).nonzero()[0].tolist():  # a hint: req.I decides
-            if slot not in confirmed and slot not in held and _take_post(seg.req(slot)):
+            if slot not in confirmed and slot not in held and take_post(seg.req(slot)):
                 confirmed[slot] = now = now or time.monotonic_ns()
                 new.append(slot)
         chunks = self._checked
@@ -517,20 +517,15 @@ class DecoderServer:
         self._checked = chunks
         return sum(map(len, chunks))
 
-    def _let_answered_clients_rejoin(self, seg: Segment, waiting: int, window_ms: float) -> int:
-        """Wait up to ``window_ms`` for the clients answered since the last batch was planned to
-        send their next request, so that a busy client does not miss every other batch.
-
-        Waits only for slots that are still owned and not READY again (CLAIMED or DONE): a
-        client that gave its slot back, or is already in ``ready``, is not waited for. So at
+    def _let_answered_clients_rejoin(self, seg: Segment, waiting: int, running: bool) -> int:
+        """Wait for the clients answered since the last plan to send their next request, for as
+        long as ``Rejoin.window_ms`` says (0: not at all), so that a busy client does not miss
+        every other batch. Waits only while one of them is still owned and not READY again: at
         low load, once the one client is back, nothing more is waited."""
         states = seg.field["state"]
-
-        def someone_may_come_back() -> bool:
-            # A Python loop: np.isin costs ~40 us per call, a few slots here cost ~1 us.
-            return any(int(states[slot]) in _COMING_BACK for slot in list(self._answered))
-
-        return self._wait_for_more(seg, waiting, window_ms, keep_waiting=someone_may_come_back)
+        window = self._rejoin.window_ms(states, running, self._rejoin_pays)
+        return self._wait_for_more(seg, waiting, window,
+                                   keep_waiting=lambda: self._rejoin.may_come_back(states))  # fmt: skip
 
     def _let_batch_grow(self, seg: Segment, waiting: int) -> int:
         """Wait up to max_wait_ms for more requests."""
@@ -541,6 +536,7 @@ class DecoderServer:
         """Take in whatever becomes ready for up to ``wait_ms``, sleeping on the doorbell (never
         spinning), until the batch is full or ``keep_waiting()`` turns False; returns how many
         confirmed requests wait then."""
+        t0 = time.monotonic_ns()
         deadline = time.monotonic() + wait_ms / 1000
         while waiting < self.max_batch and not self._stop.is_set():
             if keep_waiting is not None and not keep_waiting():
@@ -550,6 +546,7 @@ class DecoderServer:
                 break
             self._wait_doorbell(seg, left)
             waiting = self._scan(seg)
+        self._rejoin.add_waited(time.monotonic_ns() - t0 if wait_ms > 0 else 0)  # held back on purpose
         return waiting
 
     def _wait_doorbell(self, seg: Segment, timeout: float) -> None:
@@ -570,7 +567,7 @@ class DecoderServer:
         req = batch.requests
         t0 = time.perf_counter_ns()
         try:
-            done_ns = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
+            done_ns, moved = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
         except Exception as exc:
             log.exception("publishing a batch of %d failed; answering each row with an error", len(req))
             for row in range(len(req)):
@@ -579,12 +576,16 @@ class DecoderServer:
             return
         try:
             self._count_batch(batch, done_ns, elapsed_ns)
+            if moved:
+                self._counters.count_dropped(seg, len(moved))
         except Exception:
             log.exception("counting a batch of %d failed (its answers are unaffected)", len(req))
         finally:
-            answered = req.slots.tolist()
-            self._answered.update(zip(answered, req.lengths.tolist()))
-            self._release_and_ring(answered, req.notify.tolist())
+            moved_slots = [int(req.slots[i]) for i in moved]  # freed under the batch: never rung
+            kept = req.take(np.setdiff1d(np.arange(len(req)), moved)) if moved else req
+            answered = kept.slots.tolist()
+            self._rejoin.answered.update(zip(answered, kept.lengths.tolist()))
+            self._release_and_ring(answered, kept.notify.tolist(), moved_slots)
             self._policy.answered(answered, time.monotonic_ns())
             self._policy.host_step("publish", time.perf_counter_ns() - t0)
         try:  # after the posts: a refit of the costs (~1 ms) delays no answer
@@ -604,8 +605,12 @@ class DecoderServer:
     def _count_batch(self, batch: Batch, done_ns: int, elapsed_ns: int) -> None:
         self._counters.count_batch(self.segment, batch, done_ns, elapsed_ns)
 
-    def _release_and_ring(self, slots: list[int], bells: list[int]) -> None:
+    def _release_and_ring(self, slots: list[int], bells: list[int], moved: list[int] = ()) -> None:
         """The last step of answering: the slots leave the held set, then their posts go out.
+
+        ``moved``: slots of the batch that are not answered (freed under it: ``moved_on``);
+        they leave the held set unrung, and the dispatcher is woken, because a request their
+        next owner made READY meanwhile was skipped while they were held.
 
         Both under the held lock, which the reaper holds while it reclaims: so the reaper
         never frees a slot between its DONE and its post (a free must follow the server's last
@@ -613,16 +618,19 @@ class DecoderServer:
         the slot left the held set, so the dispatcher never skips its next request (a lost
         wake-up: it would wait for the next tick of the reaper)."""
         with self._held_lock:
-            for slot in slots:
+            for slot in (*slots, *moved):
                 self._held.pop(slot, None)
             ring(self.segment, slots, bells)
+            if moved:
+                post(self.segment.ready)
 
     def _fail_row(self, batch: Batch, row: int, message: str) -> None:
         req = batch.requests
         self._answer_failure(int(req.slots[row]), Status.DECODE_FAILED, message, req.take([row]))
 
     def _answer_failure(self, slot: int, status: int, message: str, req: Requests | None = None) -> None:
-        """Answer one request with an error; ``req`` (if given) holds its validated header."""
+        """Answer one request with an error; ``req`` (if given) holds its validated header (and
+        then a slot freed under it since is let go of unanswered: ``publish_failure``)."""
         seg = self.segment
         ids = notify = None
         if req is not None:
@@ -632,19 +640,24 @@ class DecoderServer:
         self._confirmed.pop(slot, None)
         # The answer first, then out of the held set and rung (``_release_and_ring``): the
         # reaper must not free the slot before the error is written and posted.
-        bell = NO_BELL
+        bell: int | None = NO_BELL
         try:
             bell = publish_failure(seg, slot, status, message, ids=ids, notify=notify)
-            self._counters.count_failure(seg, status)
+            if bell is None:
+                self._counters.count_dropped(seg, 1)
+            else:
+                self._counters.count_failure(seg, status)
         finally:
-            self._release_and_ring([slot], [bell])
+            self._release_and_ring(*(([], [], [slot]) if bell is None else ([slot], [bell])))
 
     def _lane_started(self, batch: Batch, lane: int) -> None:
         now = time.monotonic_ns()
         # The lane sat idle while this batch's first request was already waiting: time the
         # device waited for the host (gathering, planning, publishing, Python).
-        waited_since = max(self._lane_idle_since[lane], int(batch.requests.submitted_ns.min()))
-        self._counters.lane_started(self.segment, now - waited_since)
+        # Less what the lane held it back on purpose (rejoin.py): counted apart, as waited.
+        gap = now - max(self._lane_idle_since[lane], int(batch.requests.submitted_ns.min()))
+        waited = min(max(0, gap), self._rejoin.take_waited_ns())
+        self._counters.lane_started(self.segment, gap - waited, waited)
         self._lanes.begin(batch)
 
     def _lane_finished(self, batch: Batch, lane: int) -> None:
@@ -669,18 +682,15 @@ class DecoderServer:
         (attachment.py), because idle handles' warm slots come back only through a reap and
         a new handle must not wait a whole tick for one."""
         seg = self.segment
-        wanted = self._slot_wanted(seg)
+        wanted = slot_wanted(seg)
         asked, self._reap_asked = wanted != self._reap_asked, wanted
         if time.monotonic() >= self._next_reap:
             self.reap()
+            seg.restore_description()  # what a client may have overwritten, from our own copies
+            self._counters.restore(seg)
             self._next_reap = time.monotonic() + self.reap_interval
         elif asked:
             self.reap(asked=True)
-
-    @staticmethod
-    def _slot_wanted(seg: Segment) -> int:
-        # Client-written and read without pairing: only compared, to decide whether to reap.
-        return int(seg.header["slot_wanted"])
 
     def reap(self, *, asked: bool = False) -> int:
         """Free the slots nobody holds (reaping.py): reclaimed from clients that died or gave
@@ -696,17 +706,8 @@ class DecoderServer:
         if self._stop.is_set():
             log.warning("received %s again: stopping now, without waiting for the running "
                         "batches (their clients resubmit)", signal.Signals(signum).name)  # fmt: skip
-            self._forced.set()
-            return
+            return self._forced.set()
         log.info("received %s: finishing the running batches, then stopping (send it again to "
                  "stop at once)", signal.Signals(signum).name)  # fmt: skip
         self.stop()
 
-
-def _take_post(sem: posix_ipc.Semaphore) -> bool:
-    """Take one post of ``sem`` if there is one, without blocking."""
-    try:
-        sem.acquire(0)
-        return True
-    except posix_ipc.BusyError:
-        return False

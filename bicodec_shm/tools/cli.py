@@ -150,7 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on PORT (default: none; needs: pip install "
                         "'bicodec-shm[metrics]')")  # fmt: skip
-    s.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    s.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics endpoint binds to (default: 127.0.0.1, this host only; "
+                        "0.0.0.0 exposes it to the network: every IPv4 interface)")  # fmt: skip
     s.set_defaults(func=_cmd_serve, max_tokens=None)  # None: 30 s of the codec's audio
 
     st = sub.add_parser("stats", help="print a server's live counters; exits 0 only while it serves",
@@ -232,9 +234,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="a row joins a batch only if its shortest row stays >= this share of its "
                         "longest")  # fmt: skip
     p.add_argument("--lanes", type=int, default=None,
-                   help="decode lanes sharing the weights (default: 1 on CUDA; on a CPU, chosen while "
-                        "serving among 1, 2 and 4 by measuring each on the live traffic, every "
-                        "choice logged); a number fixes it")  # fmt: skip
+                   help="decode lanes sharing the weights (default: 1 on CUDA; on a CPU, predicted "
+                        "from the first batches' load, then chosen among 1, 2 and 4 by measuring "
+                        "each on the live traffic, every choice logged); a number fixes it")  # fmt: skip
     p.add_argument("--batching", choices=BATCHING_MODES, default="auto",
                    help="auto: batch only where the server's own batches measure that it pays "
                         "(every choice logged); static: every row the bounds above admit "

@@ -9,7 +9,7 @@ import sys
 import time
 
 from ..codecs.layout import get_layout
-from ..errors import BiCodecShmError
+from ..errors import BiCodecShmError, SegmentError
 from ..protocol.group import GroupInfo, group_stats, read_group
 from ..protocol.header import read_header, read_slot_owners, stats_from_header
 from ..protocol.layout import MAGIC, Phase
@@ -78,7 +78,12 @@ def _stats(name: str, header) -> dict:
     state = probe(name)
     stats["state"] = state.value  # serving | busy (starting or stopping) | dead
     stats["server_alive"] = state is ServerState.SERVING
-    stats.update(read_slot_owners(name) or {})
+    try:
+        stats.update(read_slot_owners(name) or {})
+    except SegmentError:
+        if state is ServerState.SERVING:
+            raise  # a header clients refuse: so does the health probe
+        # a dead or half-made server's leftovers: the counters above are all there is
     return stats
 
 
@@ -260,8 +265,10 @@ def stats_rows(stats: dict) -> list[tuple[str, object]]:
         ("avg latency", f"{stats['avg_latency_ms']:.2f} ms (submit to answer)"),
         ("tokens (padded)", f"{stats['tokens']} ({stats['padded_tokens']})"),
         ("host gap", f"{stats['host_gap_ms']:.1f} ms (lanes idle while decodable work waited for the host)"),
+        ("waited on purpose", f"{stats['waited_ms']:.1f} ms (lanes holding ready work back, not host gap)"),
         ("reclaimed slots", f"{stats['reclaimed']} (of clients that died or gave up)"),
         ("idle slots expired", f"{stats['idle_slots_expired']} (idle handles' warm slots: routine)"),
+        ("dropped answers", f"{stats['dropped_answers']} (slots their client freed while decoded)"),
         ("batch sizes", " ".join(f"{b}:{n}" for b, n in stats["batch_size_histogram"].items()) or "-"),
     ]
     return rows

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import time
 
 from starlette.applications import Starlette
@@ -37,6 +38,7 @@ log = logging.getLogger("uvicorn.error")
 # its multiprocess master stops when a worker exits with it, instead of restarting it forever.
 STARTUP_FAILURE = 3
 CLAIM_HOLD_S = 2.0
+CLAIM_LISTEN_S = 0.5  # how long a claim bound but not listened on may take to listen
 
 
 def app_from_env() -> Starlette:
@@ -58,15 +60,47 @@ def app_from_env() -> Starlette:
 def _first_to_fail() -> bool:
     """True in the first of the workers of one uvicorn master to get here: they all read the
     same environment, so one line says it for all of them. The claim is an abstract Unix socket
-    name (Linux; no file to clean up) held until this worker exits."""
+    name (Linux; no file to clean up) listened on until this worker exits.
+
+    Any user of the host may bind any abstract name, so a name already bound is a fellow
+    worker's claim only if a process of this user listens on it (SO_PEERCRED, which the kernel
+    fills in): another user who took the name first cannot silence the error, at worst each
+    worker logs it."""
+    address = f"\0bicodec-shm-http-bad-setting-{os.getppid()}"
     claim = socket.socket(socket.AF_UNIX)
     try:
-        claim.bind(f"\0bicodec-shm-http-bad-setting-{os.getppid()}")
+        claim.bind(address)
+        claim.listen()
     except OSError:
         claim.close()
-        return False
+        return not _claimed_by_this_user(address)
     _held.append(claim)
     return True
+
+
+def _claimed_by_this_user(address: str) -> bool:
+    """True if a process of this user listens on the abstract socket ``address``."""
+    deadline = time.monotonic() + CLAIM_LISTEN_S
+    while True:
+        with socket.socket(socket.AF_UNIX) as peer:
+            peer.settimeout(CLAIM_LISTEN_S)
+            try:
+                peer.connect(address)
+                cred = peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            except ConnectionRefusedError:
+                # Bound, not listening yet (a fellow worker between its bind and its listen),
+                # or never (someone else's): ask again until the deadline.
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.01)
+                continue
+            except OSError:
+                return False
+        _pid, uid, _gid = _UCRED.unpack(cred)
+        return uid == os.geteuid()
+
+
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
 _held: list[socket.socket] = []

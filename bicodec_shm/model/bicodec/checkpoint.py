@@ -39,9 +39,43 @@ def find_folder(path: str | os.PathLike[str]) -> Path:
     return folder
 
 
+def codec_in(path: str | os.PathLike[str]) -> str | None:
+    """``"bicodec"`` if ``path`` is a BiCodec folder or a model folder holding one, else None."""
+    try:
+        find_folder(path)
+    except CheckpointError:
+        return None
+    return "bicodec"
+
+
+class NoAliasLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses aliases (``*name``, and so ``<<: *name`` merges).
+
+    A model config never needs one, and an alias tree of a few hundred bytes stands for a value
+    with billions of leaves: cheap to load, but not to check or to quote in a message.
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"found an alias (*{str(event.anchor)[:40]}); a model config may not "
+                "use YAML anchors and aliases: write each value out", event.start_mark)  # fmt: skip
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(text: str) -> Any:
+    loader = NoAliasLoader(text)  # a SafeLoader: plain data only (what yaml.load(text, it) does)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_config(file: Path) -> BiCodecConfig:
-    """Parse ``config.yaml``; raises CheckpointError on bad YAML or missing/invalid fields."""
-    return read_config_file(file, yaml.safe_load, "YAML", (yaml.YAMLError,), _audio_tokenizer)
+    """Parse ``config.yaml`` (anchors and aliases refused); raises CheckpointError on bad YAML or
+    missing/invalid fields."""
+    return read_config_file(file, _load_yaml, "YAML", (yaml.YAMLError,), _audio_tokenizer)
 
 
 def _audio_tokenizer(doc: Any) -> BiCodecConfig:

@@ -11,7 +11,18 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, get_type_hints
 
-from ..config_values import as_bool, as_int, as_ints, from_preset, plain, require_positive
+from ..config_values import (
+    MAX_DIM,
+    MAX_LIST,
+    as_bool,
+    as_int,
+    as_ints,
+    from_preset,
+    plain,
+    require_at_most,
+    require_positive,
+    shown,
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,12 @@ class WaveGeneratorConfig:
     kernel_sizes: tuple[int, ...]
 
 
+# The decode path's time-mixing convolutions but the upsampling ones have kernel 7 and padding
+# 3 (backbone.py, wavegen.py, modules.py): each reaches 3 frames (times its dilation) each side.
+CONV_REACH = 3
+SAMPLING_BACKBONE_LAYERS = 2  # the ConvNeXt blocks of each prenet sampling stage's backbone
+RESIDUAL_DILATIONS = (1, 3, 9)  # the residual units of each wave-generator upsampling block
+
 _SECTIONS = {
     "quantizer": QuantizerConfig,
     "speaker_encoder": SpeakerEncoderConfig,
@@ -106,6 +123,32 @@ class BiCodecConfig:
     def hop_length(self) -> int:
         """Audio samples per semantic token: the product of the wave generator's rates."""
         return math.prod(self.decoder.rates)
+
+    @property
+    def receptive_field(self) -> int:
+        """Tokens to each side that one token's audio depends on (67 for spark-tts-0.5b, 37 for
+        tiny): a window decoded with this much context on each side of a region gives the
+        region's audio of the whole decode, up to float rounding, whatever the weights.
+
+        Derived from the layers: the prenet's convolutions (each backbone's embed conv and
+        ConvNeXt depthwise convs, kernel 7), then the wave generator's, walked back from one
+        token's samples: the output conv, each upsampling block's residual units (kernel 7,
+        dilations 1, 3, 9) and transposed conv, the input conv.
+        """
+        p, d = self.prenet, self.decoder
+        stages = len(p.sample_ratios) * (1 + SAMPLING_BACKBONE_LAYERS) + 1 + p.vocos_num_layers
+        token = 10 * (1 + stages)  # any token far from the sequence's ends
+        first, last = self.hop_length * token, self.hop_length * (token + 1) - 1  # its samples
+        first, last = first - CONV_REACH, last + CONV_REACH  # the output conv
+        for rate, kernel in reversed(tuple(zip(d.rates, d.kernel_sizes, strict=True))):
+            reach = CONV_REACH * sum(RESIDUAL_DILATIONS)
+            first, last = first - reach, last + reach
+            # Transposed conv: output t reads inputs i with 0 <= t + pad - i·rate < kernel.
+            pad = (kernel - rate) // 2
+            first, last = -(-(first + pad - kernel + 1) // rate), (last + pad) // rate
+        prenet_reach = CONV_REACH * stages
+        first, last = first - CONV_REACH - prenet_reach, last + CONV_REACH + prenet_reach
+        return max(token - first, last - token)
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> BiCodecConfig:
@@ -194,15 +237,24 @@ def _check_consistent(cfg: BiCodecConfig) -> None:
         "sample_rate": cfg.sample_rate,
     }
     require_positive(positive)
+    layers = "prenet.vocos_num_layers"
+    dims = {k: v for k, v in positive.items() if k not in ("sample_rate", layers)}
+    require_at_most({**dims, "speaker_encoder.input_dim": s.input_dim,
+                     "speaker_encoder.fsq_levels": s.fsq_levels, "decoder.rates": d.rates,
+                     "decoder.kernel_sizes": d.kernel_sizes}, MAX_DIM)  # fmt: skip
+    require_at_most({layers: p.vocos_num_layers}, MAX_LIST)
     if not s.fsq_levels or min(s.fsq_levels) < 2:
-        raise ValueError(f"speaker_encoder.fsq_levels must be non-empty, each >= 2: {s.fsq_levels}")
+        raise ValueError(f"speaker_encoder.fsq_levels must be non-empty, each >= 2: {shown(s.fsq_levels)}")
+    # The speaker de-quantiser holds a table of every global id (global_vocab x levels).
+    require_at_most({"global_vocab (the product of speaker_encoder.fsq_levels)": cfg.global_vocab,
+                     "hop_length (the product of decoder.rates)": cfg.hop_length}, MAX_DIM)  # fmt: skip
     if s.fsq_num_quantizers != 1:
         raise ValueError(
             f"only speaker_encoder.fsq_num_quantizers=1 is supported, got {s.fsq_num_quantizers}"
         )
     if any(r != 1 for r in p.sample_ratios):
         raise ValueError(
-            f"only prenet.sample_ratios of 1 are supported, got {list(p.sample_ratios)}"
+            f"only prenet.sample_ratios of 1 are supported, got {shown(p.sample_ratios)}"
         )
     links = {
         "prenet.input_channels": (p.input_channels, "quantizer.input_dim", q.input_dim),
@@ -215,8 +267,8 @@ def _check_consistent(cfg: BiCodecConfig) -> None:
             raise ValueError(f"{key}={value} must equal {other}={expected}")
     if not d.rates or len(d.rates) != len(d.kernel_sizes):
         raise ValueError(
-            f"decoder.rates {list(d.rates)} and decoder.kernel_sizes "
-            f"{list(d.kernel_sizes)} must be non-empty and of equal length"
+            f"decoder.rates {shown(d.rates)} and decoder.kernel_sizes "
+            f"{shown(d.kernel_sizes)} must be non-empty and of equal length"
         )
     for i, (k, r) in enumerate(zip(d.kernel_sizes, d.rates, strict=True)):
         # Transposed conv, padding (k - r) // 2: exactly r·T frames out only if k - r is even.

@@ -25,6 +25,7 @@ from torch import nn
 
 from ...errors import CheckpointError
 from .. import weights as shared
+from ..config_values import shown
 from .config import DACConfig
 
 WEIGHTS_FILE = "weights.pth"
@@ -48,21 +49,28 @@ def find_file(path: str | os.PathLike[str]) -> Path:
     )
 
 
-def read_file(file: Path) -> tuple[Mapping[str, Any], dict[str, torch.Tensor]]:
-    """``(kwargs, state_dict)`` of a dac weights file; CheckpointError if it is not one."""
+def codec_in(path: str | os.PathLike[str]) -> str | None:
+    """The DAC codec (``dac-44khz``, ...) whose weights file ``path`` is or holds, by its
+    metadata; None if there is no readable one. The tensors are mapped, not read."""
     try:
-        # weights_only: a .pth is a pickle, and this refuses anything but tensors and plain data.
-        doc = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged or foreign file
-        raise CheckpointError(f"{file}: cannot read the weights: {exc}") from exc
+        file = find_file(path)
+        return read_config(read_file(file, mmap=True)[0], file).codec_name
+    except CheckpointError:
+        return None
+
+
+def read_file(file: Path, *, mmap: bool = False) -> tuple[Mapping[str, Any], dict[str, torch.Tensor]]:
+    """``(kwargs, state_dict)`` of a dac weights file; CheckpointError if it is not one.
+    ``mmap``: map the tensors' storage instead of reading it (to read the kwargs only)."""
+    doc = shared.load_pickled(file, mmap=mmap)  # a .pth is a pickle: tensors and plain data only
     state = doc.get("state_dict") if isinstance(doc, Mapping) else None
     metadata = doc.get("metadata") if isinstance(doc, Mapping) else None
     kwargs = metadata.get("kwargs") if isinstance(metadata, Mapping) else None
     if not isinstance(state, Mapping) or not isinstance(kwargs, Mapping):
-        keys = sorted(doc) if isinstance(doc, Mapping) else type(doc).__name__
+        got = f"keys {shown(list(doc))}" if isinstance(doc, Mapping) else type(doc).__name__
         raise CheckpointError(
             f"{file}: not a descript-audio-codec weights file: expected "
-            f'{{"state_dict": ..., "metadata": {{"kwargs": ...}}}} (as dac.DAC.save writes), got {keys}'
+            f'{{"state_dict": ..., "metadata": {{"kwargs": ...}}}} (as dac.DAC.save writes), got {got}'
         )
     if not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in state.items()):
         raise CheckpointError(f"{file}: its state_dict is not a mapping of names to tensors")

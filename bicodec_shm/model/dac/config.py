@@ -18,7 +18,17 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ...codecs.layout import CodecLayout
-from ..config_values import as_int, as_ints, from_preset, plain, require_positive
+from ..config_values import (
+    MAX_DIM,
+    MAX_LIST,
+    as_int,
+    as_ints,
+    from_preset,
+    plain,
+    require_at_most,
+    require_positive,
+    shown,
+)
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,8 @@ class DACConfig:
         return tuple(lengths)
 
     def decoded_samples(self, frames: int) -> int:
-        """Samples that ``dac.DAC.decode`` returns for ``frames`` frames; at most
-        ``samples_per_frame · frames`` (the decoder pads the difference with zeros)."""
+        """Samples that ``dac.DAC.decode`` returns for ``frames`` frames: ``samples_per_frame ·
+        frames - layout.end_trim``; a detokenized row and a served answer have this length."""
         return self.stage_lengths(frames)[-1]
 
     @property
@@ -88,6 +98,8 @@ class DACConfig:
             level_vocab=(self.codebook_size,) * self.n_codebooks,
             samples_per_frame=self.samples_per_frame,
             sample_rate=self.sample_rate,
+            # stage_lengths is affine in frames: every n falls short by what one frame does.
+            end_trim=self.samples_per_frame - self.decoded_samples(1),
         )
 
     @classmethod
@@ -147,16 +159,21 @@ def _check_consistent(cfg: DACConfig) -> None:
         "sample_rate": cfg.sample_rate,
         "latent": cfg.latent,
     })  # fmt: skip
+    require_at_most({"n_codebooks": cfg.n_codebooks}, MAX_LIST)  # before codebook_dims repeats it
+    require_at_most({"decoder_dim": cfg.decoder_dim, "codebook_size": cfg.codebook_size,
+                     "latent": cfg.latent, "encoder_dim": cfg.encoder_dim, "codebook_dim": cfg.codebook_dims,
+                     "decoder_rates": cfg.decoder_rates}, MAX_DIM)  # fmt: skip
     dims = cfg.codebook_dims
     if len(dims) != cfg.n_codebooks or min(dims) < 1:
         raise ValueError(
             f"codebook_dim must be >= 1, one for all codebooks or one per codebook "
-            f"(n_codebooks={cfg.n_codebooks}), got {plain(cfg.codebook_dim)}"
+            f"(n_codebooks={cfg.n_codebooks}), got {shown(plain(cfg.codebook_dim))}"
         )
     # Stride 1 would shorten time by one step (kernel 2, padding 1); no DAC model has it, and
     # with every stride >= 2 each stage is longer than the one before (the masks' keys).
     if not cfg.decoder_rates or min(cfg.decoder_rates) < 2:
-        raise ValueError(f"decoder_rates must be non-empty, each >= 2: {list(cfg.decoder_rates)}")
+        raise ValueError(f"decoder_rates must be non-empty, each >= 2: {shown(cfg.decoder_rates)}")
+    require_at_most({"samples_per_frame (the product of decoder_rates)": cfg.samples_per_frame}, MAX_DIM)
     if cfg.decoder_dim % 2 ** len(cfg.decoder_rates):
         raise ValueError(
             f"decoder_dim={cfg.decoder_dim} must be divisible by 2**{len(cfg.decoder_rates)}"

@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from ...errors import CheckpointError
@@ -44,6 +43,15 @@ def find_folder(path: str | os.PathLike[str]) -> Path:
     return folder
 
 
+def codec_in(path: str | os.PathLike[str]) -> str | None:
+    """The SNAC codec (``snac-24khz``, ...) whose folder ``path`` is, by its ``config.json``;
+    None if it is not a readable SNAC folder."""
+    try:
+        return read_config(find_folder(path) / CONFIG_FILE).codec_name
+    except CheckpointError:
+        return None
+
+
 def read_config(file: Path) -> SNACConfig:
     """Parse ``config.json``; raises CheckpointError on bad JSON or invalid fields."""
     return shared.read_config_file(file, json.loads, "JSON", (json.JSONDecodeError,), SNACConfig.from_dict)
@@ -53,15 +61,9 @@ def read_state_dict(folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """The decode-path tensors ``model`` needs, from ``pytorch_model.bin`` (or safetensors),
     weight norm folded; one CheckpointError lists every missing or misshapen tensor."""
     file = folder / WEIGHTS_FILE
-    try:
-        if file.is_file():
-            # weights_only: a .bin is a pickle, and this refuses anything but tensors.
-            tensors = torch.load(file, map_location="cpu", weights_only=True)
-        else:
-            file = folder / SAFETENSORS_FILE
-            tensors = load_file(str(file))
-    except Exception as exc:  # torch and safetensors raise many types for a damaged file
-        raise CheckpointError(f"{file}: cannot read the weights: {exc}") from exc
+    if not file.is_file():
+        return shared.read_state_dict(folder / SAFETENSORS_FILE, model)  # shapes checked unread
+    tensors = shared.load_pickled(file)  # a .bin is a pickle: tensors and plain data only
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise CheckpointError(f"{file}: expected a state dict (a mapping of names to tensors)")
     return shared.fold_state_dict(tensors, model, file)

@@ -16,7 +16,17 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ...codecs.layout import CodecLayout
-from ..config_values import as_bool, as_int, as_ints, from_preset, plain, require_positive
+from ..config_values import (
+    MAX_DIM,
+    as_bool,
+    as_int,
+    as_ints,
+    from_preset,
+    plain,
+    require_at_most,
+    require_positive,
+    shown,
+)
 
 DIM_HEAD = 64  # LocalMHA's head width in snac; heads = decoder_dim // 64
 
@@ -146,13 +156,18 @@ def _check_consistent(cfg: SNACConfig) -> None:
         "latent": cfg.latent,
     }
     require_positive(positive)
+    dims = {k: v for k, v in positive.items() if k != "sampling_rate"}
+    require_at_most({**dims, "encoder_dim": cfg.encoder_dim, "attn_window_size": cfg.attn_window_size or 0,
+                     "decoder_rates": cfg.decoder_rates, "vq_strides": cfg.vq_strides}, MAX_DIM)  # fmt: skip
     if not cfg.decoder_rates or min(cfg.decoder_rates) < 1:
-        raise ValueError(f"decoder_rates must be non-empty, each >= 1: {list(cfg.decoder_rates)}")
+        raise ValueError(f"decoder_rates must be non-empty, each >= 1: {shown(cfg.decoder_rates)}")
     strides = cfg.vq_strides
     if not strides or min(strides) < 1 or any(strides[0] % s for s in strides):
         raise ValueError(
-            f"vq_strides must be non-empty, each >= 1 and dividing vq_strides[0]: {list(strides)}"
+            f"vq_strides must be non-empty, each >= 1 and dividing vq_strides[0]: {shown(strides)}"
         )
+    require_at_most({"samples_per_frame (prod(decoder_rates) * vq_strides[0])": cfg.samples_per_frame},
+                    MAX_DIM)  # fmt: skip
     if cfg.decoder_dim % 2 ** len(cfg.decoder_rates):
         raise ValueError(
             f"decoder_dim={cfg.decoder_dim} must be divisible by 2**{len(cfg.decoder_rates)}"

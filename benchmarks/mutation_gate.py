@@ -9,13 +9,17 @@ For each mutant the repository's package, tests, benchmarks and examples are cop
 temporary directory, the mutant's exact text edits are applied there (each old text must occur
 exactly once), and its targeted tests run with ``PYTHONPATH`` and the working directory at the
 copy, so that subprocesses the tests start (servers, workers) import the mutated package too.
-Verdicts: ``killed`` (the tests failed), ``survived`` (they passed: a hole in the suite),
-``timeout`` (counted as killed: the bug hangs them), ``error`` (the edit did not apply, or pytest
-could not run the selection). First, unless ``--no-baseline``, the union of the selections runs
-on an unmutated copy: a selection that fails without any bug would make every verdict "killed".
+Verdicts: ``killed`` (the tests failed), ``survived`` (they ran and passed: a hole in the
+suite), ``not tested`` (nothing ran: the selection collected no test, or every test it selected
+skipped, for a missing permission, tool or device: the mutant was never checked), ``timeout``
+(counted as killed: the bug hangs them), ``error`` (the edit did not apply, or pytest could not
+run the selection); pytest's JUnit XML report tells passed from skipped. First, unless
+``--no-baseline``, the union of the selections runs on an unmutated copy: each must pass (a
+selection that fails without any bug would make every verdict "killed", one that only skips
+would make it "not tested").
 
 Prints a table (mutant, verdict, seconds) and writes the same as JSON (``--json``). Exits 0 only
-if the baseline passed and every mutant was killed.
+if the baseline passed and every mutant was killed: a survivor or a mutant not tested fails it.
 
 Why a curated list rather than mutmut or cosmic-ray: those mutate operators at random across
 every line and run the whole selection per mutant, which here means thousands of mutants at
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("bicodec_shm", "tests", "benchmarks", "examples", "pyproject.toml", "README.md")
+COPIED = ("bicodec_shm", "tests", "benchmarks", "examples", "docs", "pyproject.toml", "README.md")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "out", ".pytest_cache")
 
 
@@ -145,11 +149,12 @@ MUTANTS: tuple[Mutant, ...] = (
     m("stream-int16-rounds", "the stream rounds to int16", "bicodec_shm/client/streaming.py",
       'return scaled.astype("<i2").tobytes()', 'return np.rint(scaled).astype("<i2").tobytes()',
       "tests/test_streaming.py", "-k", "snr_floor_of_each_preset"),
-    m("default-preset-no-crossfade", "streaming default with crossfade 0", "bicodec_shm/client/streaming.py",
+    m("default-preset-no-crossfade", "streaming default with crossfade 0",
+      "bicodec_shm/client/stream_settings.py",
       "lookahead=20, crossfade=640", "lookahead=20, crossfade=0",
       "tests/test_streaming.py", "-k", "snr_floor_of_each_preset"),
     m("default-preset-lookahead16-left29", "less lookahead, more left context, same window",
-      "bicodec_shm/client/streaming.py",
+      "bicodec_shm/client/stream_settings.py",
       "left_context=25, lookahead=20, crossfade=640", "left_context=29, lookahead=16, crossfade=640",
       "tests/test_streaming.py", "-k", "snr_floor_of_each_preset"),
     m("padded-tokens-counted-as-tokens", "padded_tokens counts valid tokens",
@@ -208,8 +213,8 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_review_findings.py", "-k", "test_1_")),  # fmt: skip
     m("identity-checks-only-seq", "is_answer compares the sequence number only",
       "bicodec_shm/protocol/attachment.py",
-      "return seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq]",
-      "return int(seg.result_id[slot][2]) == seq",
+      "seg.result_id[slot].tolist() == [self.handle_id, self.generation[slot], seq]",
+      "int(seg.result_id[slot][2]) == seq",
       "tests/test_review_findings.py", "-k", "test_1_an_answer"),
     m("f2-submit-time-not-clamped", "a client's t_submit_ns trusted as written",
       "bicodec_shm/protocol/slot_io.py",
@@ -241,10 +246,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_review_findings.py", "-k", "test_12_"),
     m("f14-ring-before-release", "_release_and_ring posts before the slots leave the held set",
       "bicodec_shm/server/server.py",
-      "            for slot in slots:\n                self._held.pop(slot, None)\n"
+      "            for slot in (*slots, *moved):\n                self._held.pop(slot, None)\n"
       "            ring(self.segment, slots, bells)",
       "            ring(self.segment, slots, bells)\n"
-      "            for slot in slots:\n                self._held.pop(slot, None)",
+      "            for slot in (*slots, *moved):\n                self._held.pop(slot, None)",
       "tests/test_review_findings.py", "-k", "test_14_"),
     m("f15-dead-members-counted-up", "group totals count a member that does not serve",
       "bicodec_shm/protocol/group.py",
@@ -259,7 +264,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "",
       "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick"),
     m("claimer-never-asks-for-a-slot", "a claimer that finds no FREE slot sleeps on `free` without telling "
-      "the server", "bicodec_shm/protocol/attachment.py",
+      "the server", "bicodec_shm/protocol/slot_waits.py",
       "            _ask_for_a_slot(seg)\n            seg.wait(seg.free, timeout)",
       "            seg.wait(seg.free, timeout)",
       "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick and sync"),
@@ -275,15 +280,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_attach_races.py"),
     m("slot-wait-on-a-condition", "waiting for one of the handle's own slots with threading.Condition.wait "
       "on the handle's lock: a signal handler's exception inside it releases that lock twice",
-      "bicodec_shm/protocol/attachment.py",
-      "                with self.lock:\n                    waiter = None\n"
-      "                    if not self.owned.difference(self.using) and self.retired is None:\n"
-      "                        waiter = self.changed.add()\n"
-      "                if waiter is not None:\n"
-      "                    self._sleep(waiter, min(SLICE, max(0.0, deadline - time.monotonic())))\n",
-      "                with self.lock:\n"
-      "                    if not self.owned.difference(self.using) and self.retired is None:\n"
-      "                        threading.Condition(self.lock).wait(min(SLICE, max(0.0, deadline - time.monotonic())))\n",  # noqa: E501
+      "bicodec_shm/protocol/slot_waits.py",
+      "        with self.lock:\n            waiter = self.line.get(seq)\n"
+      "        if waiter is not None and waiter.lock is not None:\n"
+      "            waiter.lock.acquire(timeout=timeout)\n",
+      "        with self.lock:\n            if self.line.get(seq) is not None:\n"
+      "                __import__('threading').Condition(self.lock).wait(timeout)\n",
       "tests/test_signal_waits.py", "-k", "any_point"),
     m("lane-tuner-keeps-the-slower", "the lane tuner settles on the arrangement measured slower",
       "bicodec_shm/server/lane_tuner.py",
@@ -437,6 +439,498 @@ MUTANTS: tuple[Mutant, ...] = (
       "dying with it then counts as an idle expiry", "bicodec_shm/protocol/attachment.py",
       '            f["owner_pid"][slot] = os.getpid()  # held again (``_release`` zeroed it)\n', "",
       "tests/test_server.py", "-k", "comes_back_before_the_reap"),
+    # -- the Orpheus drop-in on vLLM's items, what each preset gives ---------------------------------
+    m("orpheus-item-read-as-its-last-token", "each streamed item adds only the last <custom_token_N> "
+      "it holds, as Orpheus reads it (a merged vLLM step loses tokens)",
+      "bicodec_shm/integrations/orpheus_tts.py", "for match in _CUSTOM_TOKEN.finditer(text):",
+      "for match in list(_CUSTOM_TOKEN.finditer(text))[-1:]:",
+      "tests/test_orpheus_vllm_items.py", "-k", "merged_item_adds_every_token"),
+    m("orpheus-repeated-item-read-again", "every item read as a delta: vLLM's repeated last item "
+      "(cumulative text) adds its tokens again",
+      "bicodec_shm/integrations/orpheus_tts.py",
+      "whole = item.startswith(was.text)  # the whole text so far (an equal item adds nothing)",
+      "whole = False",
+      "tests/test_orpheus_vllm_items.py", "-k", "repeated_last_item"),
+    m("orpheus-split-token-dropped", "an unclosed <custom_token_... at an item's end is dropped, "
+      "not read with the next item's text",
+      "bicodec_shm/integrations/orpheus_tts.py", "rest=_unclosed(text[end:]),", 'rest="",',
+      "tests/test_orpheus_vllm_items.py", "-k", "read_as_text_wherever"),
+    m("orpheus-only-an-items-first-token-checked", "a merged item's later tokens are not checked "
+      "against their positions: a bad one is decoded",
+      "bicodec_shm/integrations/orpheus_tts.py",
+      "                self._check(was.audio_tokens + len(audio), digits)\n",
+      "                if not audio:\n"
+      "                    self._check(was.audio_tokens + len(audio), digits)\n",
+      "tests/test_orpheus_vllm_items.py", "-k", "bad_token_in_a_merged_item"),
+    m("orpheus-windows-of-an-item-in-one-chunk", "the orpheus preset yields one chunk for all the "
+      "windows one item completes, not one chunk per window as Orpheus",
+      "bicodec_shm/integrations/orpheus_tts.py",
+      "chunks = [_orpheus_slice(self._decode(*w)) for w in self._reading.todo]",
+      'chunks = [b"".join(_orpheus_slice(self._decode(*w)) for w in self._reading.todo)]',
+      "tests/test_orpheus_vllm_items.py", "-k", "play_every_frame_of_their_text and orpheus-sync"),
+    m("orpheus-docs-default-yields-orpheus-chunks", "the integrations page says the default preset "
+      "yields Orpheus's chunks, as only preset=\"orpheus\" does",
+      "docs/integrations.md",
+      "other chunks and 3 more frames (0, n-2, n-1); 15 dB SNR on the frames both play |",
+      "Orpheus's chunks, within 1 int16 step |",
+      "tests/test_orpheus_tts.py", "-k", "integrations_page_says"),
+    # -- the gate's verdicts, and a stop's bound ---------------------------------------------------
+    m("stop-s-wake-up-taken-by-the-drain", "the dispatcher sleeps on the doorbell after a scan that "
+      "drained stop()'s post: the server ends only at the reap tick",
+      "bicodec_shm/server/server.py",
+      "                if self._stop.is_set():  # a stop since the loop's check: its post went in the\n",
+      "                if False:  # a stop since the loop's check: its post went in the\n",
+      "tests/test_server.py", "-k", "drain_takes", timeout=120.0),
+    m("stop-leaves-parked-lanes-asleep", "stop() does not wake the lanes the tuner parked: they see "
+      "it at their next poll (reap_interval)", "bicodec_shm/server/server.py",
+      "        self._lanes.wake()  # parked lanes look at the stop now, not at their next poll\n", "",
+      "tests/test_server.py", "-k", "tuner_parked", timeout=120.0),
+    m("a-selection-that-only-skipped-survives", "the gate reads pytest's exit 0 as survived when "
+      "every selected test skipped", "benchmarks/mutation_gate.py",
+      'return "survived" if outcomes(junit_xml)["passed"] > 0 '  # (split: this file holds the text once)
+      'else "not tested"', 'return "survived"',
+      "tests/test_mutation_gate.py", "-k", "not_tested"),
+    m("ci-skips-the-tests-of-an-unprivileged-user", "under CI, no Python for uid 1000 skips the "
+      "tests instead of failing them", "tests/support.py", "    if in_ci():\n        pytest.fail(",
+      "    if False:\n        pytest.fail(", "tests/test_unprivileged_python.py", "-k", "under_ci"),
+    # -- a stream's windows and a long utterance fit the attached server's --max-tokens ----------
+    m("stream-windows-sized-by-the-codec-default", "a DecodeStream over a client plans windows for "
+      "the codec's default 1500 tokens, not its server's --max-tokens (200: 'split the request' for "
+      "good)", "bicodec_shm/client/streaming.py",
+      'limit = getattr(self._decoder, "max_tokens", None) if not self._in_process else None',
+      "limit = None", "tests/test_stream_limits.py", "-k", "plans_its_windows_from"),
+    m("stream-keeps-windows-a-restarted-server-refuses", "a window refused as too long by a server "
+      "restarted with a smaller --max-tokens is not planned again: the stream raises for good",
+      "bicodec_shm/client/streaming.py", "        return self._limit() != limit\n",
+      "        return False\n", "tests/test_stream_limits.py", "-k", "between and plan"),
+    m("stream-settings-not-fitted-to-a-small-limit", "a limit below one window's context + chunk + "
+      "lookahead leaves every window too long for the server",
+      "bicodec_shm/client/streaming.py", "        s = self.settings.fitted(limit)\n",
+      "        s = self.settings\n", "tests/test_stream_limits.py", "-k", "every_limit or 150"),
+    m("stream-blends-more-tail-than-the-window-decodes", "after a restart to a tiny limit the held "
+      "crossfade tail is blended with samples before the window's start (negative slice)",
+      "bicodec_shm/client/streaming.py", "blend = min(len(tail), start)", "blend = len(tail)",
+      "tests/test_stream_limits.py", "-k", "every_limit"),
+    m("client-limit-of-a-server-that-went-away", "DecoderClient.max_tokens answers for the server "
+      "it attached last even after a restart with another limit (a stream plans for the old one)",
+      "bicodec_shm/client/decoder_client.py",
+      "if self._group is None and att is not None and att.retired is None and not att.serving():",
+      "if False:", "tests/test_stream_limits.py", "-k", "1500 and pushes"),
+    m("group-limit-of-its-largest-member", "a group handle's max_tokens is its largest member's: "
+      "a window planned for it is refused by the others", "bicodec_shm/client/router.py",
+      "return min(limits, default=None)", "return max(limits, default=None)",
+      "tests/test_client_boundary.py", "-k", "least_members"),
+    m("long-row-sent-whole", "SharedAudioTokenizer sends a 3000-token row as one request: 'more "
+      "than the 1500 a slot holds'", "bicodec_shm/client/long_requests.py",
+      "    if n <= limit:\n        return [(0, 0, n, n)]\n", "    return [(0, 0, n, n)]\n",
+      "tests/test_spark_tts.py", "tests/test_long_requests.py", "-k", "3000"),
+    m("long-row-context-short-of-the-receptive-field", "a long row's windows carry 16 tokens of "
+      "context, under the model's receptive field", "bicodec_shm/client/long_requests.py",
+      "context: int = RECEPTIVE_FIELD)", "context: int = RECEPTIVE_FIELD // 4)",
+      "tests/test_spark_tts.py", "tests/test_long_requests.py", "-k", "3000 or tile"),
+    Mutant("long-row-windows-one-after-another", "a long row's windows are sent one at a time: "
+           "they never batch", (("bicodec_shm/client/long_requests.py",
+                                 "for i in range(1, len(calls))]", "for i in range(0)]"),
+                                ("bicodec_shm/client/long_requests.py", "        run(0)\n",
+                                 "        for i in range(len(calls)):\n            run(i)\n")),
+           ("tests/test_spark_tts.py", "-k", "3000"), timeout=120.0),
+    m("long-row-keeps-windows-a-restarted-server-refuses", "a long row planned for a server "
+      "restarted with a smaller --max-tokens is refused for good",
+      "bicodec_shm/client/long_requests.py",
+      "            if client.max_tokens != limit:\n"
+      "                continue  # the server was replaced by one with another limit: plan for it\n",
+      "            if False:\n                continue\n",
+      "tests/test_spark_tts.py", "-k", "planned_again"),
+    Mutant("spark-bfloat16-escapes-as-a-type-error", "a bfloat16 tensor reaches .numpy(), whose "
+           "TypeError reaches the caller", (("bicodec_shm/integrations/inputs.py",
+                                            'if getattr(dtype, "is_floating_point", False) or '
+                                            'getattr(dtype, "is_complex", False):', "if False:"),
+                                           ("bicodec_shm/integrations/inputs.py",
+                                            "except (TypeError, RuntimeError) as exc:",
+                                            "except RuntimeError as exc:")),
+           ("tests/test_spark_tts.py", "-k", "any_other_dtype")),
+    m("receptive-field-misses-the-sampling-stages", "the receptive field counts only the main "
+      "backbone's convs (prenet reach 39, not 57)", "bicodec_shm/model/bicodec/config.py",
+      "stages = len(p.sample_ratios) * (1 + SAMPLING_BACKBONE_LAYERS) + 1 + p.vocos_num_layers",
+      "stages = 1 + p.vocos_num_layers", "tests/test_model.py", "-k", "receptive"),
+    # -- codec claims: DAC's own length, another codec's --model-dir -------------------------------
+    Mutant("dac-answer-padded-to-frames-times-spf",
+           "a served DAC 24/16 kHz answer carries 320·n samples, the last 8 zero, not upstream's 320·n - 8",
+           (("bicodec_shm/protocol/slot_io.py", "seg.codec.decoded_samples(int(req.lengths[0]))",
+             "int(req.lengths[0]) * seg.codec.samples_per_frame"),
+            ("bicodec_shm/protocol/slot_io.py", "seg.codec.decoded_samples(req.lengths)",
+             "req.lengths * seg.codec.samples_per_frame")),
+           ("tests/test_dac_serving.py", "-k", "upstreams_length")),
+    m("dac-layout-without-end-trim", "DACConfig.layout leaves end_trim 0: the server takes its "
+      "24/16 kHz decodes for 320·n long", "bicodec_shm/model/dac/config.py",
+      "            end_trim=self.samples_per_frame - self.decoded_samples(1),\n", "",
+      "tests/test_dac_model.py", "-k", "odd_strides"),
+    m("dac-decoder-pads-to-frames-times-spf", "DACDecoder.detokenize pads its 24/16 kHz audio to 320·T",
+      "bicodec_shm/model/dac/decoder.py",
+      "        out = self(ids.to(device), stage_mask)[:, 0].float()  # (B, 1, N) -> (B, N)\n",
+      "        out = self(ids.to(device), stage_mask)[:, 0].float()  # (B, 1, N) -> (B, N)\n"
+      "        out = torch.nn.functional.pad(out, (0, cfg.samples_per_frame * frames - out.shape[1]))\n",
+      "tests/test_dac_model.py", "-k", "odd_strides or tiny_matches"),
+    m("header-drops-end-trim", "a client reads a DAC 24 kHz server's layout without its end_trim",
+      "bicodec_shm/protocol/header.py", '        end_trim=int(h["end_trim"]),\n', "",
+      "tests/test_dac_serving.py", "-k", "upstreams_length"),
+    m("stream-expects-frames-times-spf", "DecodeStream expects a DAC 24 kHz window of 320·n samples",
+      "bicodec_shm/client/streaming.py",
+      "want = hop * (w.w1 - w.w0) - (self._layout.end_trim if self._layout is not None else 0)",
+      "want = hop * (w.w1 - w.w0)",
+      "tests/test_dac_streaming.py", "-k", "exact_length"),
+    m("stream-allows-no-lookahead-where-windows-decode-short", "a DAC 24/16 kHz stream without "
+      "lookahead loses 8 samples at every joint", "bicodec_shm/client/streaming.py",
+      "            if layout.end_trim and settings.lookahead < 1:", "            if False:",
+      "tests/test_dac_streaming.py", "-k", "lookahead"),
+    m("model-dir-of-another-codec-unrecognised", "serve --model-dir of a SNAC folder without --codec "
+      "says BiCodec's files are missing, not which --codec to pass", "bicodec_shm/tools/model_args.py",
+      "        if found is not None and found != codec:", "        if False:",
+      "tests/test_cli.py", "-k", "another_codec"),
+    m("http-decode-refuses-a-body-past-max-tokens", "the HTTP example's /v1/decode answers a 2,000-id "
+      "body with 'split the request' where its stream route takes 30,000", "examples/decode_api.py",
+      "            if len(semantic) <= max_tokens:", "            if True:",
+      "tests/test_http_example.py", "-k", "longer_than_the_decoders_max_tokens"),
+    m("a-column-of-ids-called-a-batch", "a (100, 1) array of ids is refused as 'a batch of 100 rows'",
+      "bicodec_shm/codecs/validation.py", "    if all(d == 1 for d in arr.shape[1:]):", "    if False:",
+      "tests/test_client.py", "-k", "column"),
+    # -- model folders cannot exhaust memory, metrics stay local -----------------------------------
+    m("yaml-aliases-accepted", "config.yaml's anchors and aliases load: a 1 KB alias tree stands for "
+      "billions of leaves", "bicodec_shm/model/bicodec/checkpoint.py",
+      "        if self.check_event(yaml.AliasEvent):", "        if False:",
+      "tests/test_checkpoint.py", "-k", "alias", timeout=240.0),
+    m("config-message-prints-the-whole-repr", "a bad config value is quoted by its full repr(): a "
+      "pickle memo tree of a few bytes formats to gigabytes", "bicodec_shm/model/config_values.py",
+      """raise ValueError(f"'{key}' must be an integer, got {shown(value)}")""",
+      """raise ValueError(f"'{key}' must be an integer, got {value!r}")""",
+      "tests/test_checkpoint.py", "-k", "memo_tree and decoder_dim", timeout=240.0),
+    m("compressed-torch-archive-accepted", "a .pth whose records are deflated loads: a zip bomb "
+      "reads far more than the file", "bicodec_shm/model/weights.py",
+      "            if record.compress_type != zipfile.ZIP_STORED:", "            if False:",
+      "tests/test_checkpoint.py", "-k", "compressed"),
+    m("config-file-read-whole", "config.yaml is read whatever its size",
+      "bicodec_shm/model/weights.py", "    if len(data) > MAX_CONFIG_BYTES:", "    if False:",
+      "tests/test_checkpoint.py", "-k", "oversized"),
+    m("deep-config-raises-recursion-error", "a config nested deeper than the stack escapes as a raw "
+      "RecursionError", "bicodec_shm/model/weights.py",
+      "except (*parse_errors, UnicodeDecodeError, ValueError, RecursionError) as exc:",
+      "except (*parse_errors, UnicodeDecodeError, ValueError) as exc:",
+      "tests/test_checkpoint.py", "-k", "deeply"),
+    m("bicodec-model-built-before-shapes-checked", "from_pretrained allocates what config.yaml asks "
+      "for before the file is shown to hold it", "bicodec_shm/model/bicodec/decoder.py",
+      "state = weights.read_state_dict(file, weights.meta_model(cls, config, file))",
+      "state = weights.read_state_dict(file, cls(config))",
+      "tests/test_checkpoint.py", "-k", "test_shapes_are_checked_on_the_meta", timeout=240.0),
+    m("dac-model-built-before-shapes-checked", "from_pretrained allocates what the kwargs ask for "
+      "before the file is shown to hold it", "bicodec_shm/model/dac/decoder.py",
+      "state = checkpoint.fold(tensors, meta_model(cls, config, file), file)",
+      "state = checkpoint.fold(tensors, cls(config), file)",
+      "tests/test_checkpoint.py", "-k", "dac_shapes_are_checked", timeout=240.0),
+    m("meta-model-built-on-the-cpu", "the shapes-first model is built with its memory",
+      "bicodec_shm/model/weights.py", '            kwargs["device"] = "meta"',
+      '            kwargs["device"] = "cpu"',
+      "tests/test_checkpoint.py", "-k", "meta_device", timeout=240.0),
+    m("config-dimensions-uncapped", "a config may ask for any width: 2**20 codebook entries are built",
+      "bicodec_shm/model/config_values.py", "MAX_DIM = 2**16", "MAX_DIM = 2**62",
+      "tests/test_checkpoint.py", "-k", "capped", timeout=240.0),
+    m("weight-limit-unchecked", "a config asking for 16 G weights is built on the meta device and "
+      "only then found not to fit", "bicodec_shm/model/weights.py", "    if n > MAX_ELEMENTS:",
+      "    if False:", "tests/test_checkpoint.py", "-k", "weight_limit", timeout=240.0),
+    m("metrics-exporter-binds-every-interface", "MetricsExporter's default host is 0.0.0.0",
+      "bicodec_shm/server/metrics.py", 'DEFAULT_HOST = "127.0.0.1"', 'DEFAULT_HOST = "0.0.0.0"',
+      "tests/test_metrics.py", "-k", "loopback"),
+    m("server-metrics-binds-every-interface", "DecoderServer's metrics_host defaults to 0.0.0.0",
+      "bicodec_shm/server/server.py", 'metrics_host: str = "127.0.0.1",', 'metrics_host: str = "0.0.0.0",',
+      "tests/test_metrics.py", "-k", "loopback"),
+    m("serve-metrics-binds-every-interface", "serve --metrics-host defaults to 0.0.0.0",
+      "bicodec_shm/tools/cli.py", 's.add_argument("--metrics-host", default="127.0.0.1"',
+      's.add_argument("--metrics-host", default="0.0.0.0"', "tests/test_metrics.py", "-k", "loopback"),
+    m("metrics-request-without-deadline", "a half-sent request holds its connection forever",
+      "bicodec_shm/server/metrics_http.py",
+      'head = await asyncio.wait_for(reader.readuntil(b"\\r\\n\\r\\n"), self._timeout)',
+      'head = await reader.readuntil(b"\\r\\n\\r\\n")',
+      "tests/test_metrics.py", "-k", "half_sent or byte_at"),
+    m("metrics-connections-unbounded", "idle connections pile up without a bound",
+      "bicodec_shm/server/metrics_http.py", "        if len(self._open) > MAX_CONNECTIONS:",
+      "        if False:", "tests/test_metrics.py", "-k", "half_sent"),
+    # -- operator tools and clients trust nothing another user made ------------------------------
+    m("open-object-trusts-any-owner", "a name's object is used whoever owns it: another user's "
+      "served-looking 0666 object passes the health probe, is taken over by serve, unlinked by "
+      "cleanup", "bicodec_shm/protocol/objects.py", "        if st.st_uid != expected:",
+      "        if False:", "tests/test_foreign_objects.py", "-k",
+      "healthz or served_looking or (every_tool and 0666) or client_refuses"),
+    m("probe-trusts-the-names-owner", "probe takes the owner from a stat of the name: another "
+      "user's object with its SERVING byte held probes SERVING", "bicodec_shm/protocol/names.py",
+      "        fd = open_object(name, owner_uid=owner_uid)\n    except (posix_ipc.Error, BiCodecShmError):\n"
+      "        return ServerState.ABSENT",
+      "        fd = open_object(name, owner_uid=os.stat(f'/dev/shm/{name}').st_uid)\n"
+      "    except (posix_ipc.Error, BiCodecShmError, OSError):\n        return ServerState.ABSENT",
+      "tests/test_foreign_objects.py", "-k", "healthz"),
+    m("open-object-follows-links", "a name is opened through a symbolic link, to a file of ours",
+      "bicodec_shm/protocol/objects.py", "os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | flags",
+      "os.O_RDWR | os.O_CLOEXEC | flags", "tests/test_foreign_objects.py", "-k", "symbolic"),
+    m("open-refusal-is-a-raw-oserror", "a name that cannot be opened raises the OSError (ELOOP, "
+      "EACCES): a traceback from serve, stats, cleanup and DecoderClient()",
+      "bicodec_shm/protocol/objects.py",
+      '        raise SegmentError(f"{_unopenable(path, exc)}: refusing it; {remedy}") from None',
+      "        raise", "tests/test_foreign_objects.py", "-k", "symbolic or roots_0600"),
+    m("header-slot-count-unbounded", "a header's slot count is bounded by the object's size alone: "
+      "a sparse object claiming millions of slots makes stats read them all",
+      "bicodec_shm/protocol/header.py",
+      "    if not (1 <= n_slots <= MAX_SLOTS and 1 <= max_tokens <= MAX_FRAMES):",
+      "    if not (1 <= n_slots and 1 <= max_tokens):", "tests/test_foreign_objects.py", "-k", "more_slots"),
+    m("stats-passes-a-header-clients-refuse", "stats of a served name whose header clients refuse "
+      "exits 0", "bicodec_shm/tools/stats_cmd.py",
+      "            raise  # a header clients refuse: so does the health probe", "            pass",
+      "tests/test_foreign_objects.py", "-k", "more_slots"),
+    m("ray-stop-kills-the-header-pid", "NodeDecoder.stop SIGKILLs the server_pid any client may "
+      "write into the header", "bicodec_shm/deploy/ray.py",
+      "                try:\n                    os.killpg(keeper.pid, signal.SIGKILL)\n"
+      "                except ProcessLookupError:\n"
+      "                    pass  # every process of the group has exited meanwhile\n",
+      "                pid = _server_pid(self.name)\n                if pid:\n"
+      "                    os.kill(pid, signal.SIGKILL)\n                keeper.kill()\n",
+      "tests/test_ray_stop.py"),
+    Mutant("name-dollar-matches-before-newline", "validate_name with ^...$ and re.match: 'tts\\n' "
+           "passes as a name", (
+               ("bicodec_shm/protocol/names.py", 'r"[A-Za-z0-9_-]{1,120}(\\.[0-9]{1,3})?")',
+                'r"^[A-Za-z0-9_-]{1,120}(\\.[0-9]{1,3})?$")'),
+               ("bicodec_shm/protocol/names.py", "or not _NAME_RE.fullmatch(name):",
+                "or not _NAME_RE.match(name):"),
+           ), ("tests/test_transport.py", "-k", "names_are_validated")),
+    m("bench-json-follows-part-link", "bench --json PATH writes the predictable PATH.part, "
+      "following a symbolic link planted there", "bicodec_shm/tools/bench/cli.py",
+      '    fd, part = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".part")',
+      '    part = path + ".part"\n    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)',
+      "tests/test_bench.py", "-k", "fresh_temporary_file"),
+    m("http-claim-trusts-any-binder", "the HTTP example takes any bound claim name for a fellow "
+      "worker's: another user binding it first silences the bad-setting line",
+      "examples/http_tts/app.py", "        return not _claimed_by_this_user(address)", "        return False",
+      "tests/test_http_example.py", "-k", "claim_name"),
+    # -- a buggy or hostile client harms only its own requests ------------------------------------
+    m("drain-runs-until-the-semaphore-is-empty", "a drain that takes posts until none is left: one "
+      "client posting in a tight loop outruns it and the server never leaves its scan",
+      "bicodec_shm/protocol/segment.py",
+      "    for n in range(most):\n        try:\n            sem.acquire(0)\n"
+      "        except posix_ipc.BusyError:\n            return n\n    return most\n",
+      "    n = 0\n    while True:\n        try:\n            sem.acquire(0)\n"
+      "        except posix_ipc.BusyError:\n            return n\n        n += 1\n",
+      "tests/test_hostile_clients.py", "-k", "flood_of_posts or maximum_value", timeout=420.0),
+    m("publish-into-a-slot-freed-under-its-batch", "a one-row publish writes DONE and the old "
+      "identity whatever became of the slot: its next owner's READY is overwritten, never answered",
+      "bicodec_shm/protocol/slot_io.py",
+      "        if f[\"state\"][s] != BUSY or f[\"generation\"][s] != req.ids[0, 1]:\n"
+      "            return now, [0]\n", "",
+      "tests/test_hostile_clients.py", "-k", "freed_while_it_is_decoded"),
+    m("batch-publish-into-slots-freed-under-it", "the vectorised publish answers every row, also "
+      "one whose slot its client freed and another claimed under the batch",
+      "bicodec_shm/protocol/slot_io.py", "    moved = moved_on(seg, req)\n",
+      "    moved = np.zeros(len(slots), bool)\n",
+      "tests/test_slot_io.py", "-k", "freed_and_claimed_again_under_its_batch"),
+    m("gather-marks-busy-a-slot-freed-since-its-confirmation", "gather sets BUSY on a slot its "
+      "client freed after the request was confirmed, over the next owner's claim",
+      "bicodec_shm/protocol/slot_io.py", "    moved = _not_ready_at_epoch(seg, req)\n",
+      "    moved = None\n", "tests/test_slot_io.py", "-k", "since_its_request_was_confirmed"),
+    m("error-answer-into-a-slot-freed-under-its-batch", "an error answer of a batch row is written "
+      "into its slot after its client freed it and another claimed it",
+      "bicodec_shm/protocol/slot_io.py",
+      '    if validated and (f["state"][slot] not in (READY, BUSY) or f["generation"][slot] != ids[1]):\n'
+      "        return None\n", "",
+      "tests/test_slot_io.py", "-k", "error_answer_for_a_slot_claimed_again"),
+    m("answer-taken-on-its-identity-alone", "a client takes an answer whose identity is written "
+      "before its DONE: after a stale post, it submits its next request under the server's DONE",
+      "bicodec_shm/protocol/attachment.py", '        return (seg.field["state"][slot] == DONE\n'
+      "                and seg.result_id", "        return (seg.result_id",
+      "tests/test_hostile_clients.py", "-k", "identity_is_not_taken_before_its_done"),
+    m("attach-trusts-an-overwritten-header", "a client attaches to a header another client "
+      "overwrote, and validates its requests against what it says",
+      "bicodec_shm/protocol/header.py", '    if int(h["digest"]) != description_digest(h):\n',
+      "    if False:\n", "tests/test_hostile_clients.py", "-k", "overwritten_header"),
+    m("header-description-never-restored", "the server leaves what a client overwrote in its "
+      "header's description: every client attaching later is refused until the server restarts",
+      "bicodec_shm/server/server.py",
+      "            seg.restore_description()  # what a client may have overwritten, from our own copies\n",
+      "", "tests/test_hostile_clients.py", "-k", "restores_what_a_client_overwrote"),
+    m("header-counters-never-restored", "the server leaves a client's scribble on its counters: "
+      "stats and metrics show it until the next batch or failure rewrites them",
+      "bicodec_shm/server/server.py", "            self._counters.restore(seg)\n", "",
+      "tests/test_hostile_clients.py", "-k", "restores_what_a_client_overwrote"),
+    # -- first come, first served: one handle's waiters for a slot -----------------------------
+    m("fair-waiters-newcomer-claims-ahead-of-the-line", "a newcomer claims the room a slot let go of "
+      "left, ahead of the requests already in line", "bicodec_shm/protocol/attachment.py",
+      "            if may_claim and (first is None or first is waiter):  # nobody in line before us\n",
+      "            if may_claim:\n",
+      "tests/test_fair_waiters.py", "-k", "oldest_waiter and let_go_of"),
+    Mutant("fair-waiters-requeue-at-the-back", "a waiter whose slice ends goes to the back of the line",
+           (("bicodec_shm/protocol/slot_waits.py",
+             "            waiter.lock.acquire(timeout=timeout)\n",
+             "            if not waiter.lock.acquire(timeout=timeout):\n"
+             "                with self.lock:\n"
+             "                    self.line.waiters[seq] = self.line.waiters.pop(seq)\n"),
+            ("bicodec_shm/protocol/slot_waits.py",
+             "                        except asyncio.TimeoutError:\n                            pass\n",
+             "                        except asyncio.TimeoutError:\n"
+             "                            with self.lock:\n"
+             "                                self.line.waiters[seq] = self.line.waiters.pop(seq)\n")),
+           ("tests/test_fair_waiters.py", "-k", "oldest_waiter")),
+    m("fair-waiters-give-leaves-the-slot-up-for-grabs", "give() wakes the oldest waiter but leaves the "
+      "slot idle: a newcomer takes it first", "bicodec_shm/protocol/attachment.py",
+      "                self.using[slot] = waiter.seq  # one store: the slot is that request's\n"
+      "                waiter.wake()  # it finds the slot booked to it, and leaves the line with it\n"
+      "                return\n",
+      "                waiter.wake()\n",
+      "tests/test_fair_waiters.py", "-k", "oldest_waiter and given_back"),
+    m("fair-waiters-wake-all", "give() leaves the slot idle and wakes every waiter (the old sync path): "
+      "whoever looks first takes it, the thread that gave it back among them",
+      "bicodec_shm/protocol/attachment.py",
+      "                self.using[slot] = waiter.seq  # one store: the slot is that request's\n"
+      "                waiter.wake()  # it finds the slot booked to it, and leaves the line with it\n"
+      "                return\n",
+      "                self.line.wake_all()\n",
+      "tests/test_fair_waiters.py", "-k", "oldest_waiter and given_back"),
+    m("fair-waiters-leaver-strands-its-slot", "a waiter that leaves with an error keeps the slot it "
+      "was handed: nobody is served until its request is cleaned up", "bicodec_shm/protocol/slot_waits.py",
+      "            handed = handed if passing_on else []\n", "            handed = []\n",
+      "tests/test_fair_waiters.py", "-k", "passes_on"),
+    Mutant("fair-waiters-interrupted-waiter-stays-in-line", "a request interrupted (Ctrl-C, a signal "
+           "handler's exception) while in line is never taken off it: the line waits behind it",
+           (("bicodec_shm/protocol/slot_waits.py",
+             "                self._check_slot_wait(deadline)\n        except BaseException:\n"
+             "            self._leave_line(seq, passing_on=True)\n            raise\n\n"
+             "    def _sleep_in_line",
+             "                self._check_slot_wait(deadline)\n        except Exception:\n"
+             "            self._leave_line(seq, passing_on=True)\n            raise\n\n"
+             "    def _sleep_in_line"),
+            ("bicodec_shm/protocol/attachment.py",
+             "            if self.line.leave(seq):\n                self.line.wake_first(self.using)\n", "")),
+           ("tests/test_client.py", "-k", "waiting_in_line")),
+    # -- Qwen3-TTS's 12 Hz tokenizer against qwen-tts ---------------------------------------------
+    m("qwen3-conv-pads-both-sides", "the causal convolutions pad half their history on the right "
+      "(a 'same' convolution): not causal, and not upstream's audio",
+      "bicodec_shm/model/qwen3_tts/layers.py", "return self.conv(F.pad(x, (self.left, 0)))",
+      "return self.conv(F.pad(x, (self.left - self.left // 2, self.left // 2)))",
+      "tests/test_qwen3_tts_model.py", "-k", "lone_decodes and 73"),
+    m("qwen3-sliding-window-off-by-one", "a query attends to window + 1 keys (itself and 72 before), "
+      "not transformers' 72",
+      "bicodec_shm/model/qwen3_tts/transformer.py", "allowed = (behind >= 0) & (behind < self.window)",
+      "allowed = (behind >= 0) & (behind <= self.window)",
+      "tests/test_qwen3_tts_model.py", "-k", "lone_decodes and 73"),
+    m("qwen3-snakebeta-without-exp", "SnakeBeta takes its stored log-alpha as alpha (no exp)",
+      "bicodec_shm/model/qwen3_tts/layers.py", "alpha = torch.exp(self.alpha)[None, :, None]",
+      "alpha = self.alpha[None, :, None]",
+      "tests/test_qwen3_tts_model.py", "-k", "lone_decodes and 73"),
+    m("qwen3-attention-scaled-by-the-mlps-layer-scale", "the attention branch is scaled by the MLP's "
+      "layer scale",
+      "bicodec_shm/model/qwen3_tts/transformer.py", "x = x + self.self_attn_layer_scale(self.self_attn(",
+      "x = x + self.mlp_layer_scale(self.self_attn(",
+      "tests/test_qwen3_tts_model.py", "-k", "lone_decodes and 73"),
+    m("qwen3-one-pass-not-upstreams-chunks", "a row is decoded in one pass, not in qwen-tts's 300-frame "
+      "chunks with 25 frames of context: frames after 300 see 72 frames back",
+      "bicodec_shm/model/qwen3_tts/decoder.py", "CHUNK_FRAMES = 300  #", "CHUNK_FRAMES = 10**6  #",
+      "tests/test_qwen3_tts_model.py", "-k", "lone_decodes and 301"),
+    m("qwen3-later-chunk-takes-the-first-rows", "a chunk that reaches only some rows decodes the first "
+      "rows of the batch instead of those",
+      "bicodec_shm/model/qwen3_tts/decoder.py", "= ids[i, :, first - context : end]",
+      "= ids[j, :, first - context : end]",
+      "tests/test_qwen3_tts_model.py", "-k", "mixed_length_batch"),
+    # -- a fresh server starts from the load's prediction ----------------------------------------
+    m("fresh-start-most-lanes-for-one-client", "one request at a time is predicted the most lanes",
+      "bicodec_shm/server/lane_tuner.py",
+      "lanes = self.candidates[-1] if loaded else self.candidates[0]", "lanes = self.candidates[-1]",
+      "tests/test_lane_tuner.py", "-k", "one_request_at_a_time or read_the_load or fresh_server"),
+    m("fresh-start-one-lane-under-load", "concurrent requests are predicted one lane",
+      "bicodec_shm/server/lane_tuner.py",
+      "lanes = self.candidates[-1] if loaded else self.candidates[0]", "lanes = self.candidates[0]",
+      "tests/test_lane_tuner.py", "-k", "concurrent_requests or read_the_load or fresh_server"),
+    m("fresh-start-load-ignores-overlap", "the load read is a batch's rows, not the requests decoding "
+      "at once",
+      "bicodec_shm/server/lane_tuner.py",
+      "return sample.rows * sample.decode_ns / share if share > 0 else float(sample.rows)",
+      "return float(sample.rows)",
+      "tests/test_lane_tuner.py", "-k", "concurrent_requests or read_the_load"),
+    m("fresh-start-never-explores", "the prediction holds for ever: a slower one is never replaced",
+      "bicodec_shm/server/lane_tuner.py",
+      "self._hold_ns = self.tuning.first_hold_seconds * 1e9", "self._hold_ns = float(\"inf\")",
+      "tests/test_lane_tuner.py", "-k", "first_hold or settles"),
+    m("fresh-start-explores-at-once", "the prediction is explored at once, not after its first hold",
+      "bicodec_shm/server/lane_tuner.py",
+      "self._hold_ns = self.tuning.first_hold_seconds * 1e9", "self._hold_ns = 0.0",
+      "tests/test_lane_tuner.py", "-k", "one_request_at_a_time or first_hold or fresh_server"),
+    m("fresh-server-explores-first", "a fresh CPU server explores at once instead of predicting",
+      "bicodec_shm/server/lane_control.py",
+      "self.tuner = LaneTuner(candidates, lanes, tuning, predict=True)",
+      "self.tuner = LaneTuner(candidates, lanes, tuning)",
+      "tests/test_lane_tuner.py", "-k", "fresh_server"),
+    m("fresh-start-late-load-waits-a-minute", "clients that start after the first wait for the first "
+      "exploration: one lane predicted holds through load for the whole first hold",
+      "bicodec_shm/server/lane_tuner.py",
+      "return self._reread_load(sample) if self._predicted else None", "return None",
+      "tests/test_lane_tuner.py", "-k", "later_load"),
+    m("fresh-start-reads-after-the-batching-settles", "the load is read only once the batching policy "
+      "is measured: one client's first 20 requests decode on narrow lanes",
+      "bicodec_shm/server/lane_control.py",
+      "if not self.tuner.reading_load and not settled(threads):", "if not settled(threads):",
+      "tests/test_lane_tuner.py", "-k", "fresh_server"),
+
+    # -- waiting only where it pays, and deliberate waits apart from the host gap -----------------
+    m("dispatch-waits-for-clients-measured-late", "a lane waits for clients measured not to come back "
+      "within the window (light load: the whole window, for nobody)", "bicodec_shm/server/dispatch_policy.py",
+      "if self.measured and (not len(joining) or turnaround is None or not len(ready)):", "if False:",
+      "tests/test_dispatch_policy.py", "-k", "slower_than or light_load or turns_back"),
+    m("dispatch-window-stretched-for-nobody", "the wait window stretches to the cap where nobody comes "
+      "back within it", "bicodec_shm/server/dispatch_policy.py",
+      "if _share(outcomes, stretched) - _share(outcomes, window) >= MIN_STRETCH_GAIN:", "if True:",
+      "tests/test_dispatch_policy.py", "-k", "stretches_only or slower_than"),
+    m("dispatch-clear-votes-keep-the-verdict", "votes where nobody would join count, but never turn the "
+      "stored verdict back", "bicodec_shm/server/dispatch_policy.py",
+      "        if prevailing != self._prevailing:\n",
+      '        if prevailing != self._prevailing and "ns_per_row_now" in numbers:\n',
+      "tests/test_dispatch_policy.py", "-k", "turns_back or slower_than"),
+    m("dispatch-absent-clients-cost-no-window", "a wait for clients that may not come back is charged "
+      "their turnaround, not the window the lane waits out", "bicodec_shm/server/dispatch_policy.py",
+      "stays = max(0.0, window - turnaround) if len(joining) < len(coming) else 0.0", "stays = 0.0",
+      "tests/test_dispatch_policy.py", "-k", "whole_window"),
+    m("idle-pipelined-lane-waits-without-asking", "a pipelined lane with an idle device waits the window "
+      "without asking the policy", "bicodec_shm/server/rejoin.py",
+      "return window if self.policy.rejoins_within(window, len(coming)) else 0.0", "return window",
+      "tests/test_dispatch_policy.py", "-k", "only_for_clients_measured or light_load"),
+    m("busy-pipelined-lane-waits-for-anyone", "a pipelined lane with a batch in flight waits rejoin_ms "
+      "for clients measured not to come back in time", "bicodec_shm/server/rejoin.py",
+      "return self.rejoin_ms if self.policy.rejoins_within(self.rejoin_ms, len(coming)) else 0.0",
+      "return self.rejoin_ms", "tests/test_dispatch_policy.py", "-k", "busy_pipelined or dispatch_pipeline"),
+    m("dispatch-pipeline-waits-while-busy", "dispatch='pipeline' still waits for the clients of the batch "
+      "before the running one", "bicodec_shm/server/dispatch_policy.py",
+      'if self.mode in ("pipeline", "wait"):  # fixed', "if False:",
+      "tests/test_dispatch_policy.py", "-k", "dispatch_pipeline"),
+    m("told-to-wait-forgotten", "a pipelined lane told to let its batch end asks the policy again "
+      "instead of waiting", "bicodec_shm/server/rejoin.py",
+      'told, self._lane.told = getattr(self._lane, "told", False), False', "told = False",
+      "tests/test_dispatch_policy.py", "-k", "told_to_wait"),
+    m("waited-counted-as-host-gap", "a lane's deliberate waits are counted as host gap too",
+      "bicodec_shm/server/server.py", "self._counters.lane_started(self.segment, gap - waited, waited)",
+      "self._counters.lane_started(self.segment, gap, waited)",
+      "tests/test_dispatch_policy.py", "-k", "deliberate"),
+    # -- Qwen3-TTS's drop-in for qwen-tts's speech_tokenizer.decode ----------------------------------
+    m("qwen3-dropin-rows-one-after-another", "a call's rows are decoded one after another, so they "
+      "never batch with each other",
+      "bicodec_shm/client/long_requests.py", "    for thread in threads:\n        thread.start()\n",
+      "    for thread in threads:\n        thread.start()\n        thread.join()\n",
+      "tests/test_qwen3_tts_dropin.py", "-k", "one_batch"),
+    m("qwen3-dropin-padding-decoded", "the -1 padding qwen-tts's pad_sequence adds is decoded as frames",
+      "bicodec_shm/integrations/qwen3_tts.py", "n = int(padding[0]) if len(padding) else len(row)",
+      "n = len(row)", "tests/test_qwen3_tts_dropin.py", "-k", "input_form or empty_row"),
+    m("qwen3-window-start-ignored", "the server cuts a stream's window 300 frames into the window, not on "
+      "the utterance's chunk grid", "bicodec_shm/model/qwen3_tts/serving.py",
+      "starts = None if starts is None else starts.tolist()", "starts = None",
+      "tests/test_qwen3_streaming.py", "-k", "server_process"),
+    m("qwen3-grid-from-the-row", "a row's chunk cuts counted from the row's start, not its utterance's",
+      "bicodec_shm/model/qwen3_tts/decoder.py", "range((start // CHUNK_FRAMES + 1) * CHUNK_FRAMES - start,",
+      "range(CHUNK_FRAMES,", "tests/test_qwen3_tts_model.py", "-k", "start_inside"),
+    m("first-chunk-ramp-flat", "after a short first chunk the regions jump to full chunks (a listener "
+      "starved after the first audio)", "bicodec_shm/client/streaming.py",
+      "step = min(s.chunk_tokens, max(s.first_chunk, e))",
+      "step = s.first_chunk if e == 0 else s.chunk_tokens",
+      "tests/test_qwen3_streaming.py", "-k", "short_first_chunk"),
 )
 
 
@@ -461,9 +955,13 @@ def apply(root: Path, mutant: Mutant) -> str | None:
 
 
 def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
-    """(verdict for a mutant, seconds, the output's tail)."""
+    """(verdict for a mutant, seconds, the output's tail): see ``verdict_of``."""
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    junit = root / ".mutation-gate-junit.xml"
+    junit.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+           # xunit1: the family in which tests' record_property is no warning (warnings fail)
+           f"--junitxml={junit}", "-o", "junit_family=xunit1", *tests]  # fmt: skip
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -473,8 +971,37 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
             out = out.decode(errors="replace")
         return "timeout", time.monotonic() - t0, out[-2000:]
     seconds = time.monotonic() - t0
-    verdict = {0: "survived", 1: "killed"}.get(done.returncode, "error")
-    return verdict, seconds, (done.stdout + done.stderr)[-2000:]
+    report = junit.read_text() if junit.exists() else None
+    return verdict_of(done.returncode, report), seconds, (done.stdout + done.stderr)[-2000:]
+
+
+def outcomes(junit_xml: str) -> dict[str, int]:
+    """Counts of passed, failed, errors and skipped tests in pytest's JUnit XML report."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(junit_xml)
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    return {"passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
+            "failed": count["failures"], "errors": count["errors"], "skipped": count["skipped"]}  # fmt: skip
+
+
+def verdict_of(returncode: int, junit_xml: str | None) -> str:
+    """A selection's verdict from pytest's exit status and its JUnit XML report.
+
+    ``killed``: a test failed (exit 1). ``survived``: it passed, and at least one test ran and
+    passed. ``not tested``: nothing ran: no test collected (exit 5), or every selected test
+    skipped (a missing permission, tool or device): no verdict at all, and not a pass either.
+    ``error``: pytest itself could not run the selection (usage, internal error, interrupted)."""
+    if returncode == 5:
+        return "not tested"
+    if returncode not in (0, 1):
+        return "error"
+    if returncode == 1:
+        return "killed"
+    if junit_xml is None:
+        return "error"  # exit 0 without a report: cannot tell what ran
+    return "survived" if outcomes(junit_xml)["passed"] > 0 else "not tested"
 
 
 def check_one(mutant: Mutant) -> dict:
@@ -487,7 +1014,7 @@ def check_one(mutant: Mutant) -> dict:
         verdict, seconds, tail = run_tests(root, mutant.tests, mutant.timeout)
     row = {"mutant": mutant.name, "verdict": verdict, "seconds": round(seconds, 1), "why": mutant.why,
            "tests": " ".join(mutant.tests)}
-    if verdict in ("survived", "error"):
+    if verdict in ("survived", "not tested", "error"):
         row["detail"] = tail
     return row
 
@@ -501,7 +1028,7 @@ def baseline(mutants: list[Mutant]) -> dict:
         for mutant in mutants:
             verdict, took, tail = run_tests(root, mutant.tests, mutant.timeout)
             seconds += took
-            if verdict != "survived":  # "survived" = the tests passed
+            if verdict != "survived":  # "survived" = some test ran, and every one passed
                 failures.append({"tests": " ".join(mutant.tests), "verdict": verdict, "detail": tail})
     return {"passed": not failures, "seconds": round(seconds, 1), "failures": failures}
 
@@ -512,6 +1039,15 @@ def selections(mutants: list[Mutant]) -> list[Mutant]:
     for mutant in mutants:
         seen.setdefault(mutant.tests, mutant)
     return list(seen.values())
+
+
+def summary(bad: list[dict]) -> str:
+    """What the closing line adds for the mutants not killed, by verdict: '; survived: a, b;
+    not tested: c' (empty if every mutant was killed)."""
+    by_verdict: dict[str, list[str]] = {}
+    for row in bad:
+        by_verdict.setdefault(row["verdict"], []).append(row["mutant"])
+    return "".join(f"; {verdict}: {', '.join(names)}" for verdict, names in by_verdict.items())
 
 
 def main() -> int:
@@ -540,9 +1076,9 @@ def main() -> int:
         print(f"{row['mutant']:45s} {row['verdict']:9s} {row['seconds']:7.1f}", flush=True)
         if "detail" in row:
             print("    " + row["detail"].strip().replace("\n", "\n    ")[-1500:], flush=True)
-    bad = [r["mutant"] for r in report["mutants"] if r["verdict"] not in ("killed", "timeout")]
+    bad = [r for r in report["mutants"] if r["verdict"] not in ("killed", "timeout")]
     killed = len(report["mutants"]) - len(bad)
-    print(f"{killed}/{len(report['mutants'])} killed" + (f"; not killed: {', '.join(bad)}" if bad else ""))
+    print(f"{killed}/{len(report['mutants'])} killed" + summary(bad))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

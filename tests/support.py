@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -340,3 +344,179 @@ def retry_on_port_clash(start, attempts: int = 3, what: str = "the server"):
             clashes.append(str(clash))
     raise AssertionError(f"{what} could not start: another process took its port {attempts} times "
                          "between choosing and binding:\n" + "\n".join(clashes))  # fmt: skip
+
+
+# -- a Python another user can run ------------------------------------------------------------
+# Tests that play an ordinary user (a server or client that is not root) run a process as uid
+# 1000 with ``setpriv``. That uid may reach nothing of the test run's own: the virtualenv's
+# interpreter may be a link into root's 0700 home, and the tree and its site-packages may lie
+# there too. So a copy is prepared that it can run: this package's tree and the torch-free
+# dependencies (numpy, posix_ipc) in a fresh world-readable directory, run by an interpreter of
+# the same minor version (their binary wheels are built for it) that the uid may execute.
+
+UNPRIVILEGED_UID = 1000  # no account needed: setpriv takes numbers
+TORCH_FREE_DEPENDENCIES = ("numpy", "posix_ipc")
+
+
+class NoUnprivilegedPython(Exception):
+    """No Python could be prepared for the other uid; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnprivilegedPython:
+    """Runs this package's torch-free layers as ``uid`` (an ordinary user): made by
+    ``prepare_unprivileged_python``; tests take it as the ``unprivileged_python`` fixture.
+    ``run("-c", CODE, ARG)`` runs Python code; ``argv("-m", "bicodec_shm", "stats", NAME)`` is
+    a command line for ``subprocess``, to be run with ``env=self.env, cwd=self.home``. Torch is
+    not there: a server's model needs it, its name and segment do not."""
+
+    uid: int
+    prefix: tuple[str, ...]  # setpriv ... python
+    env: dict[str, str]
+    home: str  # its HOME and working directory, writable by the uid
+
+    def argv(self, *args: str) -> list[str]:
+        return [*self.prefix, *args]
+
+    def run(self, *args: str, timeout: float = 120.0, **kwargs) -> subprocess.CompletedProcess:
+        """``subprocess.run`` of ``argv(*args)`` as the uid; text output captured."""
+        kwargs = {"env": self.env, "cwd": self.home, "capture_output": True, "text": True, **kwargs}
+        return subprocess.run(self.argv(*args), timeout=timeout, **kwargs)
+
+
+def in_ci() -> bool:
+    """True where the environment says the run is CI's (``CI=true``, as most CI systems set)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def skip_or_fail_in_ci(why: str) -> None:
+    """Skip the test for ``why``; under CI fail it instead: a check CI should run but cannot
+    is a broken CI, not a skip nobody reads."""
+    import pytest
+
+    if in_ci():
+        pytest.fail(f"CI must run this test, but cannot: {why}", pytrace=False)
+    pytest.skip(why)
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Every directory from / down to ``path`` is searchable by other users."""
+    path = os.path.realpath(path)
+    while True:
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
+
+
+def _open_up(tree: str) -> None:
+    """Directories 0755, files readable by all (executable ones by all too)."""
+    for directory, _, files in os.walk(tree):
+        os.chmod(directory, 0o755)
+        for f in files:
+            path = os.path.join(directory, f)
+            mode = os.stat(path).st_mode
+            os.chmod(path, 0o755 if mode & stat.S_IXUSR else 0o644)
+
+
+def _copy_distribution(module: str, site_dir: str) -> None:
+    """Copy every installed file of the distribution that provides ``module`` into ``site_dir``
+    (its RECORD: also a wheel's vendored libraries, such as ``numpy.libs``)."""
+    import importlib.metadata as md
+
+    names = md.packages_distributions().get(module)
+    if not names:
+        raise NoUnprivilegedPython(f"{module} is not installed as a distribution here")
+    dist = md.distribution(names[0])
+    for entry in dist.files or ():
+        if ".." in entry.parts:  # scripts outside site-packages (bin/f2py)
+            continue
+        src = str(dist.locate_file(entry))
+        if os.path.isfile(src):
+            dest = os.path.join(site_dir, *entry.parts)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copy2(src, dest)
+
+
+def _interpreters() -> list[str]:
+    """Interpreters to try, this one first: its real file, then those of its minor version on
+    the machine (binary wheels fit only those)."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    found = [sys.executable, os.path.realpath(sys.executable), getattr(sys, "_base_executable", "")]
+    found += [shutil.which(version) or "", shutil.which("python3") or ""]
+    for directory in ("/usr/bin", "/usr/local/bin", "/bin"):
+        found += [os.path.join(directory, version), os.path.join(directory, "python3")]
+    return [p for p in dict.fromkeys(found) if p and os.path.isfile(p)]
+
+
+_PROBE = """
+import sys, os
+want, root = tuple(map(int, sys.argv[1].split("."))), sys.argv[2]
+assert sys.version_info[:2] == want, f"Python {sys.version.split()[0]}, not {sys.argv[1]}"
+import bicodec_shm.protocol.segment, bicodec_shm.client
+for name in ["bicodec_shm", *sys.argv[3:]]:
+    where = os.path.realpath(sys.modules[name].__file__)
+    assert where.startswith(root), f"{name} from {where}, not from the copy"
+"""
+
+
+@contextlib.contextmanager
+def prepare_unprivileged_python(
+    uid: int = UNPRIVILEGED_UID, modules: tuple[str, ...] = TORCH_FREE_DEPENDENCIES
+) -> Iterator[UnprivilegedPython]:
+    """Prepare a Python that ``uid`` may run, with this tree's ``bicodec_shm`` and ``modules``
+    importable from a private copy; remove the copy afterwards. Needs root and ``setpriv``;
+    raises ``NoUnprivilegedPython`` saying why where it cannot (the ``unprivileged_python``
+    fixture of conftest.py skips then, or fails under CI).
+
+        with prepare_unprivileged_python() as user:
+            done = user.run("-c", "import os; print(os.getuid())")
+            assert done.stdout == "1000\\n"
+
+    The copy lies in a fresh 0755 directory under the first temporary directory that every
+    user can reach (``$TMPDIR`` may be in a private home); only the package's own tree and
+    ``modules`` (with everything their distributions installed) are copied, so an installed
+    copy elsewhere, or the tree under test, is never what the uid imports."""
+    if os.geteuid() != 0:
+        raise NoUnprivilegedPython("needs root: to run a process as another uid")
+    setpriv = shutil.which("setpriv") or ("/usr/bin/setpriv" if os.path.exists("/usr/bin/setpriv") else None)
+    if setpriv is None:
+        raise NoUnprivilegedPython("needs setpriv (util-linux) to run a process as another uid")
+    bases = [b for b in dict.fromkeys([tempfile.gettempdir(), "/tmp", "/var/tmp"])
+             if os.path.isdir(b) and _reachable_by_others(b)]  # fmt: skip
+    if not bases:
+        raise NoUnprivilegedPython("no temporary directory that other users can reach")
+    top = tempfile.mkdtemp(prefix="bcshm-unpriv-", dir=bases[0])
+    try:
+        site_dir, home = os.path.join(top, "site"), os.path.join(top, "home")
+        shutil.copytree(os.path.join(os.path.dirname(TESTS), "bicodec_shm"),
+                        os.path.join(site_dir, "bicodec_shm"),
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        for module in modules:
+            _copy_distribution(module, site_dir)
+        os.mkdir(home)
+        _open_up(top)
+        os.chmod(home, 0o777)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "PYTHONPATH": site_dir,
+               "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1", "LC_ALL": "C.UTF-8"}  # fmt: skip
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        tried = []
+        for python in _interpreters():
+            prefix = (setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python)
+            user = UnprivilegedPython(uid, prefix, env, home)
+            try:
+                probe = user.run("-c", _PROBE, version, os.path.realpath(site_dir), *modules)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                tried.append(f"{python}: {exc}")
+                continue
+            if probe.returncode == 0:
+                yield user
+                return
+            last = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
+            tried.append(f"{python}: {last}")
+        raise NoUnprivilegedPython(f"no interpreter that uid {uid} may run imports the copy in "
+                                   f"{top}: " + "; ".join(tried))  # fmt: skip
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

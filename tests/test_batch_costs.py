@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import reap
+from support import SteppedDecoder, join_within, reap, seeded_request, single_decode, submitted_requests
 
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.server.batch_costs import (
     MIN_SAMPLES,
     PROBE_EVERY,
@@ -266,6 +267,59 @@ def test_a_server_whose_batches_pay_batches_every_row_that_fits(thread_server, s
     assert np.mean(settled) > 4  # six clients, most of them in every batch
     assert server.batching_choices[-1].mode == "on"
 
+
+
+def test_two_free_lanes_each_take_their_share_of_four_waiting_requests_and_decode_side_by_side(
+    thread_server, shm_name
+):
+    """Four requests wait, both CPU lanes are free, and the planner would batch all four
+    (``batching="static"``): the lane that plans takes its share, two, and the other lane the
+    rest, decoding beside it; one lane never takes everything while the other idles.
+
+    Forced: the dispatcher's first look at the table is held until all four requests are in
+    (``submitted_requests``), so the plan sees the four together whatever the machine's load."""
+    decoder = SteppedDecoder()
+    server = thread_server(decoder, lanes=2, slots=4, max_batch=4, max_wait_ms=0, rejoin_ms=0,
+                           min_fill=0.0, max_batch_tokens=None, batching="static")  # fmt: skip
+    real_scan, held = server._scan, threading.Event()
+
+    def scan_once_all_four_are_in(segment):
+        if not held.is_set():  # (bounded, and not past a stop: a failing test still ends)
+            deadline = time.monotonic() + 30
+            while submitted_requests(segment) < 4 and time.monotonic() < deadline:
+                if server._stop.wait(0.002):
+                    break
+            held.set()
+        return real_scan(segment)
+
+    server._scan = scan_once_all_four_are_in  # the dispatcher looks it up on every scan
+    requests = [seeded_request(70 + i, 20 + i) for i in range(4)]
+    out: dict = {}
+    with DecoderClient(shm_name, slots=4, timeout=60) as client:
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, client.decode(*requests[i],
+                   dtype="float32"))) for i in range(4)]  # fmt: skip
+        try:
+            for t in threads:
+                t.start()
+            decoder.wait_entered(1)
+            assert decoder.calls[0] == 2, f"the first free lane took {decoder.calls[0]} of 4 rows"
+            decoder.wait_entered(2)  # the other lane's batch, while the first one is still held
+            for _ in range(4):
+                decoder.step()
+        finally:
+            for _ in range(4):
+                decoder.step()
+            join_within(threads, 60)
+        assert sum(decoder.calls) == 4, decoder.calls
+        # Each row against the same request decoded alone by the same server's lanes: the split
+        # across lanes is what is under test here; the lanes' decode against the model's own is
+        # every other exactness test's (a lane thread's kernels are not the test thread's).
+        # (The eight steps above let the next four batches through: these four, one row each.)
+        for i, (sem, glb) in enumerate(requests):
+            alone = client.decode(sem, glb, dtype="float32")
+            np.testing.assert_allclose(out[i], alone, atol=1e-5, rtol=0)
+            assert len(out[i]) == len(single_decode(sem, glb))
+        assert decoder.calls[2:] == [1, 1, 1, 1], decoder.calls
 
 
 def test_two_lanes_split_what_waits_and_decode_side_by_side_where_batching_pays(thread_server, shm_name):

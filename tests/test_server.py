@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -14,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import serve_command, wait_until_serving
-from support import ReadLog, reference_model, seed_int16, single_decode, wait_for, wait_submitted
+from support import (
+    ReadLog,
+    SteppedDecoder,
+    reference_model,
+    seed_int16,
+    single_decode,
+    wait_for,
+    wait_submitted,
+)
 
 from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import DecodeError, DecodeTimeoutError, ServerAlreadyRunningError
@@ -271,6 +280,85 @@ def test_a_handle_that_comes_back_before_the_reap_holds_its_warm_slot_under_its_
         client._att.give(slot, seq)
     stats = stats_from_header(seg.header)
     assert stats["idle_slots_expired"] == stats["reclaimed"] == 0  # close freed it itself
+
+
+# -- how long a stop takes: the running batches, nothing else ---------------------------------
+# The tests above use reap_interval=600 (no tick during the test); so do these, since a stop
+# once waited for that tick where its wake-up went astray.
+
+
+def test_a_stop_whose_wake_up_the_dispatcher_s_drain_takes_still_ends_the_server_at_once(
+        thread_server, shm_name):  # fmt: skip
+    """stop() sets the flag, then posts the doorbell. Landing after the dispatcher's check of
+    the flag and before its scan drains the doorbell, the post was taken by that drain, and the
+    dispatcher slept on the doorbell until the reap tick: 600 s here, where the tests' 20 s
+    join found the server thread still alive (seen once, under load). Forced: the planted scan
+    calls stop() itself, right before the real scan."""
+    server = thread_server(reap_interval=600)
+    real_scan, armed, scanned = server._scan, threading.Event(), threading.Event()
+
+    def stop_then_scan(segment):
+        if armed.is_set():
+            armed.clear()
+            server.stop()
+        waiting = real_scan(segment)
+        scanned.set()
+        return waiting
+
+    server._scan = stop_then_scan  # the dispatcher looks it up on every scan
+    # First a scan through the plant, so that the dispatcher is past any scan already under
+    # way (whose drain would take the posts below) and on its way to the doorbell. Posting
+    # again is harmless until then: a scan that finds nothing goes back to the doorbell.
+    deadline = time.monotonic() + 30
+    while not scanned.is_set():
+        assert time.monotonic() < deadline, "the dispatcher never scanned"
+        server.segment.ready.release()
+        scanned.wait(0.2)
+    armed.set()
+    server.segment.ready.release()  # the dispatcher wakes, and its next scan meets the stop
+    server._thread.join(5)
+    assert not armed.is_set(), "the dispatcher did not scan again"
+    assert not server._thread.is_alive(), "the server slept through its stop"
+
+
+def test_a_stop_wakes_the_lanes_the_tuner_parked(thread_server, shm_name):
+    """With the lane tuner on, lanes beyond the running count wait for their turn, polling the
+    stop every reap_interval: a stop must wake them, not wait for their poll (600 s here)."""
+    decoder = reference_model()  # (built first: its first build sets one thread)
+    torch.set_num_threads(4)  # 4 cores for this server: lanes 1, 2 and 4 to choose from
+    server = thread_server(decoder, reap_interval=600)  # (the fixture restores the thread count)
+    assert server.lanes == 2 and server.max_lanes == 4  # two lanes to park
+    turns = server._lanes._turns  # the Condition parked lanes wait on: both must be waiting
+    deadline = time.monotonic() + 30
+    while len(turns._waiters) < 2:  # (a stop before they park would find nothing to wake)
+        assert time.monotonic() < deadline, "the two lanes beyond the running count never parked"
+        time.sleep(0.01)
+    server.stop()
+    server._thread.join(5)
+    assert not server._thread.is_alive(), "a parked lane slept through the stop"
+
+
+def test_a_stop_waits_for_the_running_batch_only_and_answers_it(thread_server, shm_name):
+    """The bound of a stop: the batches the lanes are running when it comes. The server ends
+    once that batch is answered (its client gets its audio), whatever the reap interval."""
+    decoder = SteppedDecoder()
+    server = thread_server(decoder, reap_interval=600)
+    sem, glb = _requests(41, 1)[0]
+    out: dict = {}
+    with DecoderClient(shm_name, timeout=60) as client:
+        caller = threading.Thread(target=lambda: out.update(pcm=client.decode(sem, glb, dtype="float32")))
+        caller.start()
+        try:
+            decoder.wait_entered(1)
+            server.stop()
+            server._thread.join(0.5)
+            assert server._thread.is_alive(), "the server left before answering the batch it runs"
+        finally:
+            decoder.step()
+            caller.join(30)
+        server._thread.join(5)
+        assert not server._thread.is_alive(), "the server did not end once its batch was answered"
+    np.testing.assert_allclose(out["pcm"], single_decode(sem, glb), atol=1e-5, rtol=0)
 
 
 def test_second_server_under_a_live_name_is_refused(thread_server, shm_name):
@@ -587,8 +675,10 @@ class _PairFailsRowsWait:
         self.device, self.config = self.model.device, self.model.config
         self.gates = {n: threading.Event() for n in lengths}
         self.entered = {n: threading.Event() for n in lengths}
+        self.calls: list[list[int]] = []  # the lengths of every batch, in order
 
     def detokenize(self, semantic_ids, global_ids, lengths):
+        self.calls.append(lengths.tolist())
         if semantic_ids.shape[0] > 1:
             raise RuntimeError("simulated out of memory for a batch of two")
         n = int(lengths[0])
@@ -610,15 +700,24 @@ def test_a_lane_finishing_a_split_batch_never_unholds_a_slot_another_lane_holds(
     this lane still decodes B. When this lane finished, the slot left the held set under the
     other lane's batch: once A's client let go of it, the reaper freed it, and that batch then
     wrote its answer over whatever the slot's next owner had sent. The slot must stay held
-    (and unreaped) until the batch that holds it has published."""
-    decoder = _PairFailsRowsWait([40, 30, 20])
-    server = thread_server(decoder, lanes=2, slots=2, max_batch=2, max_wait_ms=10_000, min_fill=0.0,
-                           max_batch_tokens=None, reap_interval=0.05)  # fmt: skip
+    (and unreaped) until the batch that holds it has published.
+
+    Forced step by step: two free CPU lanes would share A and B out one each, so the first
+    lane is kept busy with a request W at a gate while the second one waits for A and B and
+    takes them as one batch; W's lane is freed before A is answered, to take A's next request."""
+    decoder = _PairFailsRowsWait([50, 40, 30, 20])
+    server = thread_server(decoder, lanes=2, slots=3, max_batch=2, max_wait_ms=0, rejoin_ms=0, min_fill=0.0,
+                           max_batch_tokens=None, batching="static", reap_interval=0.05)  # fmt: skip
     seg = server.segment
     rng = np.random.default_rng(55)
-    req_a, req_b, req_next = ((rng.integers(0, 8192, n), rng.integers(0, 4096, 32)) for n in (40, 30, 20))
+    req_w, req_a, req_b, req_next = ((rng.integers(0, 8192, n), rng.integers(0, 4096, 32))
+                                     for n in (50, 40, 30, 20))  # fmt: skip
     out: dict = {}
-    with DecoderClient(shm_name, slots=1, timeout=30) as a, DecoderClient(shm_name, slots=1, timeout=30) as b:
+    with contextlib.ExitStack() as clients:
+        a, b, w = (clients.enter_context(DecoderClient(shm_name, slots=1, timeout=30)) for _ in range(3))
+
+        def client_w() -> None:
+            out["w"] = w.decode(*req_w, dtype="float32")
 
         def client_a() -> None:
             out["a"] = a.decode(*req_a, dtype="float32")
@@ -630,24 +729,31 @@ def test_a_lane_finishing_a_split_batch_never_unholds_a_slot_another_lane_holds(
         def client_b() -> None:
             out["b"] = b.decode(*req_b, dtype="float32")
 
-        threads = [threading.Thread(target=client_a), threading.Thread(target=client_b)]
+        threads = [threading.Thread(target=f) for f in (client_w, client_a, client_b)]
         try:
-            for t in threads:
-                t.start()
-            # The pair went to one lane, failed, and its first half (A) waits at the gate.
+            threads[0].start()
+            assert decoder.entered[50].wait(30)  # W holds one lane at its gate
+            server.max_wait_ms = 10_000  # the other lane waits for both A and B: a batch of two
+            threads[1].start()
+            threads[2].start()
+            # The pair went to the free lane, failed, and its first half (A) waits at the gate.
             assert decoder.entered[40].wait(30)
+            assert decoder.calls[:3] == [[50], [40, 30], [40]], decoder.calls
             server.max_wait_ms = 0  # from now on a lane takes whatever is ready at once
-            decoder.gates[40].set()  # A is answered; A's next request goes to the other lane
+            decoder.gates[50].set()  # W's lane publishes W and is free again
+            threads[0].join(30)
+            assert "w" in out
+            decoder.gates[40].set()  # A is answered; A's next request goes to W's lane
             assert decoder.entered[20].wait(30)
             (slot,) = a._att.owned
             held_by_b = next(iter(b._att.owned))
             assert slot != held_by_b and seg.slots["state"][slot] == SlotState.BUSY
-            decoder.gates[30].set()  # the first lane decodes B, publishes it and finishes
+            decoder.gates[30].set()  # the pair's lane decodes B, publishes it and finishes
             wait_for(lambda: "b" in out and int(seg.header["busy_lanes"]) == 1, 30,
-                     "the first lane to finish")  # fmt: skip
+                     "the pair's lane to finish")  # fmt: skip
             still_held = slot in server._held
             generation = int(seg.slots["generation"][slot])
-            threads[0].join(30)  # A's client timed out and let go of the slot
+            threads[1].join(30)  # A's client timed out and let go of the slot
             assert isinstance(out.get("next"), DecodeTimeoutError), out.get("next")
             server.reap()
             time.sleep(0.2)  # and the dispatcher's own reaper ticks (every 50 ms)
@@ -657,7 +763,9 @@ def test_a_lane_finishing_a_split_batch_never_unholds_a_slot_another_lane_holds(
         finally:
             decoder.open_all()
             for t in threads:
-                t.join(30)
+                if t.ident is not None:
+                    t.join(30)
+    np.testing.assert_allclose(out["w"], single_decode(*req_w), atol=1e-5, rtol=0)
     np.testing.assert_allclose(out["a"], single_decode(*req_a), atol=1e-5, rtol=0)
     np.testing.assert_allclose(out["b"], single_decode(*req_b), atol=1e-5, rtol=0)
     # Once the holding batch has published, the slot comes back (reaped: its client let go).

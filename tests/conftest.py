@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -91,5 +92,40 @@ def thread_server(shm_name: str):
     yield start
     for server, thread in started:
         server.stop()
+        # A stop's bound is the batches running when it comes (DecoderServer.stop), milliseconds
+        # for the tests' models and a decoder whose gate the test opened: 20 s is a hang.
         thread.join(20)
-        assert not thread.is_alive()
+        assert not thread.is_alive(), "the server thread was still alive 20 s after stop()"
+
+
+@pytest.fixture(scope="session")
+def unprivileged_python():
+    """A ``support.UnprivilegedPython``: runs this tree's torch-free layers as uid 1000 (an
+    ordinary user), wherever the virtualenv lies. Skips where none can be prepared (not root,
+    no setpriv, no interpreter of this minor version that the uid may run), with the reason;
+    under CI (``CI=true``) it fails instead, so that tests of an unprivileged user never
+    silently stop running there."""
+    from support import NoUnprivilegedPython, skip_or_fail_in_ci
+    from support import prepare_unprivileged_python as prepare
+
+    with contextlib.ExitStack() as stack:
+        try:
+            user = stack.enter_context(prepare())
+        except NoUnprivilegedPython as why:
+            skip_or_fail_in_ci(str(why))
+        yield user
+
+
+@pytest.fixture
+def exact_math():
+    """The server's CUDA math (no TF32, deterministic cuDNN), restored afterwards."""
+    import torch
+
+    from bicodec_shm.model.devices import exact_cuda_math
+
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
+    exact_cuda_math()
+    yield
+    (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved  # fmt: skip

@@ -463,3 +463,40 @@ def test_max_batch_tokens_is_chosen_by_device_unless_given() -> None:
     assert _parser().parse_args(["serve", "--max-batch-tokens", "800"]).max_batch_tokens == 800
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--max-batch-tokens", "0"])
+
+
+@pytest.fixture(scope="module")
+def every_codecs_folder(tmp_path_factory) -> dict[str, str]:
+    """A saved tiny model of every codec serve knows: codec -> its folder."""
+    from bicodec_shm.model.registry import decoder_class
+    from bicodec_shm.tools.model_args import CODECS, resolve_preset
+
+    root = tmp_path_factory.mktemp("model-dirs")
+    folders = {}
+    for codec in CODECS:
+        model = decoder_class(codec).from_config(resolve_preset(codec, "tiny"), seed=0)
+        model.save_pretrained(root / codec)
+        folders[codec] = str(root / codec)
+    return folders
+
+
+def test_serve_model_dir_of_another_codec_names_the_codec_to_pass(every_codecs_folder):
+    """A SNAC folder without --codec, a BiCodec folder with --codec snac-24khz, a DAC 24 kHz file
+    with --codec dac-44khz, ...: the message names the folder's codec, not what this codec's
+    loader misses in it."""
+    from bicodec_shm.model.registry import codec_in
+    from bicodec_shm.tools.cli import _parser
+    from bicodec_shm.tools.model_args import CODECS, load_decoder
+
+    for i, (codec, folder) in enumerate(every_codecs_folder.items()):
+        assert codec_in(folder) == codec
+        for asked in {CODECS[(i + 1) % len(CODECS)], "bicodec", "snac-24khz"} - {codec}:
+            args = _parser().parse_args(["serve", "--codec", asked, "--model-dir", folder])
+            fix = "leave --codec out" if codec == "bicodec" else f"pass --codec {codec}"
+            with pytest.raises(ValueError, match=f"holds a {codec} model, not a {asked} one: {fix}"):
+                load_decoder(args, announce=False)
+    weights = os.path.join(every_codecs_folder["dac-24khz"], "weights.pth")
+    assert codec_in(weights) == "dac-24khz" and codec_in(os.path.dirname(weights) + "-none") is None
+    args = _parser().parse_args(["serve", "--model-dir", every_codecs_folder["snac-32khz"]])
+    with pytest.raises(ValueError, match="pass --codec snac-32khz"):
+        load_decoder(args, announce=False)

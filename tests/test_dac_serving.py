@@ -6,6 +6,7 @@ Ground truth is ``DACDecoder.detokenize`` of each request alone.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -31,7 +32,7 @@ DAC_WORKER = os.path.join(HERE, "dac_worker.py")
 
 
 def lone(decoder: DACDecoder, codes: np.ndarray) -> np.ndarray:
-    """The unpadded decode of one request (n_codebooks, n): (spf·n,) float32."""
+    """The unpadded decode of one request (n_codebooks, n): (decoded_samples(n),) float32."""
     return decoder.detokenize(torch.as_tensor(np.asarray(codes, np.int64))[None])[0].numpy()
 
 
@@ -77,7 +78,8 @@ def test_load_decoder_serves_the_dac_codec_asked_for(tmp_path):
     assert isinstance(decoder, DACDecoder) and decoder.config.layout == DAC_24KHZ
     decoder.save_pretrained(tmp_path)
     args = _parser().parse_args(["serve", "--codec", "dac-44khz", "--model-dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="holds a dac-24khz model, but --codec is dac-44khz"):
+    wrong = "holds a dac-24khz model, not a dac-44khz one: pass --codec dac-24khz"
+    with pytest.raises(ValueError, match=wrong):
         load_decoder(args, announce=False)
 
 
@@ -164,6 +166,34 @@ def test_dac_decodes_equal_their_lone_decode_and_dia_tokens_decode_the_same(dac_
     np.testing.assert_allclose(audio, want, atol=1e-5, rtol=0)
     assert np.array_equal(listed, audio) and np.array_equal(dia, audio)
     assert pcm.dtype == np.int16 and np.abs(pcm.astype(np.int32) - seed_int16(want)).max() <= 1
+
+
+@pytest.mark.parametrize("variant", ["44khz", "24khz", "16khz"])
+def test_served_dac_answers_have_upstreams_length_and_audio_at_every_rate(thread_server, variant):
+    """descript-audio-codec decodes n frames of its 24 and 16 kHz models to 320·n - 8 samples
+    (44.1 kHz: 512·n): every served answer, batched with others or alone, has upstream's length
+    and audio, and the client knows that length from the server's header."""
+    from test_dac_model import upstream_decode, upstream_twin
+
+    model = DACDecoder.from_config(f"tiny-{variant}", seed=0)
+    twin = upstream_twin(model)
+    server = thread_server(model, slots=8, max_tokens=16, max_wait_ms=50, min_fill=0.0)
+    rng = np.random.default_rng(11)
+    requests = [random_codes(rng, n, model.config.layout) for n in (9, 1, 5, 16)]
+
+    async def decode_all(client):
+        return await asyncio.gather(*(client.decode_codes_async(c, dtype="float32") for c in requests))
+
+    with DecoderClient(server.name) as client:
+        assert client.codec == model.config.layout
+        answers = asyncio.run(decode_all(client))
+        lone16 = client.decode_codes(requests[1])
+        lengths = [client.codec.decoded_samples(c.shape[1]) for c in requests]
+    for codes, audio, n in zip(requests, answers, lengths, strict=True):
+        want = upstream_decode(twin, torch.as_tensor(codes[None], dtype=torch.int64))[0].numpy()
+        assert audio.shape == want.shape == (n,)
+        np.testing.assert_allclose(audio, want, atol=1e-5, rtol=0)
+    assert lone16.shape == (lengths[1],) and lengths[1] == (512 if variant == "44khz" else 320 - 8)
 
 
 def test_dia_rows_round_trip_and_what_cannot_be_undone_is_refused():

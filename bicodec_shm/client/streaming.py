@@ -23,12 +23,16 @@ no lookahead: the end of the utterance is the end of the sequence, as in the ful
 
 Bookkeeping that makes the output exact in length: after every call the stream has returned
 ``hop · e - held`` samples, where ``held`` is the crossfade tail it holds back (0 after
-``finish``), so the concatenated output has exactly ``320 × tokens`` samples.
+``finish``), so the concatenated output has exactly the full decode's length: ``320 × tokens``
+(``spf × frames`` for a codec of code levels, less the decoder's ``end_trim`` at the end: DAC
+24 and 16 kHz end 8 samples short, as their full decode does).
 
 Through a ``DecoderClient`` every window is an ordinary request to the shared server, so the
 windows of many streams (in many worker processes) are batched together there; a push that makes
-several regions final sends their windows concurrently from ``push_async``. The client side needs
-numpy only. On a SNAC server a window goes out with ``decode_codes(..., noise_seed,
+several regions final sends their windows concurrently from ``push_async``. A window is at most
+the attached server's ``--max-tokens`` (``DecoderClient.max_tokens``, read at every push and
+finish; a window a restarted server refuses as too long is planned again for its limit). The
+client side needs numpy only. On a SNAC server a window goes out with ``decode_codes(..., noise_seed,
 start_frame)``, so the server draws the noise the full decode draws at the window's frames. On a
 DAC server (no noise) a push takes whole frames of every codebook, ``(n_codebooks, n)``.
 
@@ -40,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,151 +58,18 @@ from ..codecs.layout import (
 )
 from ..codecs.validation import as_token_array, output_dtype_code
 from ..errors import StreamFinishedError
-
-HOP = 320  # samples per semantic token (16 kHz, 50 tokens/s)
-SAMPLE_RATE = 16000
-# Vocabularies of the released BiCodec; a BiCodecDecoder reports its own.
-SEMANTIC_VOCAB = 8192
-GLOBAL_VOCAB = 4096
-N_GLOBAL = 32
-# The server's default --max-tokens: the longest window one request may carry (BiCodec; a SNAC
-# stream defaults to its codec's, codecs.default_max_frames).
-DEFAULT_MAX_WINDOW = 1500
-# The receptive field, in tokens to each side, of the released architecture (prenet 57 + wave
-# generator 10; tiny: 37): this much context makes a window decode equal the full decode up to
-# float rounding whatever the weights.
-RECEPTIVE_FIELD = 67
-
-
-@dataclass(frozen=True)
-class StreamSettings:
-    """How a :class:`DecodeStream` cuts the token sequence into decodes.
-
-    Args:
-        chunk_tokens: new final tokens that trigger a decode; regions are multiples of it.
-        left_context: already emitted tokens re-decoded before each region (0..RECEPTIVE_FIELD
-            useful).
-        lookahead: tokens held back until their right context has arrived: the added delay.
-        crossfade: samples blended linearly at each joint, in ``[0, hop · min(left_context,
-            chunk_tokens)]``; they sit just before the joint, inside the next window's context.
-    """
-
-    chunk_tokens: int
-    left_context: int
-    lookahead: int
-    crossfade: int
-
-    def __post_init__(self) -> None:
-        for name in ("chunk_tokens", "left_context", "lookahead", "crossfade"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.left_context < 0 or self.lookahead < 0 or self.crossfade < 0:
-            raise ValueError(
-                f"left_context, lookahead and crossfade must be >= 0, got {self.left_context}, "
-                f"{self.lookahead} and {self.crossfade}"
-            )
-        limit = HOP * min(self.left_context, self.chunk_tokens)
-        if self.crossfade > limit:
-            raise ValueError(
-                f"crossfade must be in [0, {limit}] samples (hop {HOP} x min(left_context, "
-                f"chunk_tokens)): the blended samples are decoded again as left context, "
-                f"got {self.crossfade}"
-            )
-
-    @property
-    def first_audio_tokens(self) -> int:
-        """Tokens that must have arrived before the first audio is returned."""
-        return self.chunk_tokens + self.lookahead
-
-    @property
-    def window_tokens(self) -> int:
-        """Longest window of a one-chunk decode: ``left_context + chunk_tokens + lookahead``."""
-        return self.left_context + self.chunk_tokens + self.lookahead
-
-    @classmethod
-    def preset(cls, name: str, codec: str = "bicodec") -> StreamSettings:
-        """One of the codec's presets (:data:`PRESETS` for BiCodec, :data:`CODEC_PRESETS`):
-        ``"default"``, ``"exact"`` or ``"peers"``. For SNAC a "token" is a frame (one code of
-        the coarsest level, 7 Orpheus tokens at 24 kHz)."""
-        presets = CODEC_PRESETS.get(codec)
-        if presets is None:
-            known = sorted(CODEC_PRESETS)
-            raise ValueError(f"no streaming presets for codec {codec!r}; expected one of {known}")
-        try:
-            return presets[name]
-        except KeyError:
-            known = sorted(presets)
-            raise ValueError(f"unknown preset {name!r}; expected one of {known}") from None
-
-
-PRESETS: Mapping[str, StreamSettings] = {
-    # First audio after 45 tokens (peers: 50). Measured on spark-tts-0.5b, random weights, one
-    # 259-token sequence (benchmarks/bench_streaming.py): max |Δ| at a joint is 0.1 with 10 tokens
-    # of lookahead, 8e-3 with 15, 1.7e-4 with 20; 25 tokens of left context leave ~3e-6. A
-    # 640-sample crossfade moves the blend to where the older decode has more right context:
-    # 1.7e-4 -> 6e-5 (93 dB SNR; peers 12 dB), against an int16 step of 3e-5.
-    "default": StreamSettings(chunk_tokens=25, left_context=25, lookahead=20, crossfade=640),
-    # Covers the whole receptive field: equal to the full decode up to float rounding.
-    "exact": StreamSettings(
-        chunk_tokens=50, left_context=RECEPTIVE_FIELD, lookahead=RECEPTIVE_FIELD, crossfade=0
-    ),
-    # What other projects do: 50-token chunks decoded independently, 5 tokens of overlap and a
-    # 1600-sample linear crossfade at each joint, no lookahead.
-    "peers": StreamSettings(chunk_tokens=50, left_context=5, lookahead=0, crossfade=1600),
-}
-
-# SNAC, in frames (2048 samples at 24 kHz, 3072 at 32 and 44.1 kHz). A NaN planted in one latent
-# frame reaches 2.6 frames to each side at 24 kHz, whatever the weights; at 32/44 kHz it fills its
-# 4-frame attention window (and the one before), ~0.8 frame more on each side, so windows there
-# start on multiples of 4 frames (chunk and left context are multiples of 4). SNR against the
-# full decode: benchmarks/bench_snac_streaming.py (full size, random weights, frame by frame;
-# each window draws the full decode's noise), numbers in the comments.
-_SNAC_WINDOWED = {
-    "default": StreamSettings(chunk_tokens=4, left_context=8, lookahead=4, crossfade=0),  # 48 dB
-    "exact": StreamSettings(chunk_tokens=8, left_context=8, lookahead=8, crossfade=0),
-    # Orpheus's scheme (orpheus_tts/decoder.py) on 4-frame windows: [2048:4096] is frame 1 of 4.
-    "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),
-}
-# DAC, in frames (512 samples at 44.1 kHz, 11.6 ms; 320 at 24 and 16 kHz). A NaN planted in one
-# frame's latent reaches 9.3 frames to each side at 44.1 kHz and 9.8 at 24/16 kHz, and with random
-# weights the far frames still weigh in: at full size and 44.1 kHz, 4-frame chunks with 10 frames
-# of left context are 16.5 dB off the full decode with 4 frames of lookahead, 24.5 dB with 6 and
-# 51 dB with 8. SNR of each preset against the full decode (benchmarks/bench_dac_streaming.py,
-# full size, random weights, 96 frames; RESULTS.md) in the comments: 44.1 / 24 / 16 kHz.
-_DAC = {
-    # First audio after 16 frames (186 ms at 44.1 kHz); each frame decoded ~3 times. 54.6 / 53.5 /
-    # 53.5 dB, within 241-316 int16 steps of the full decode.
-    "default": StreamSettings(chunk_tokens=8, left_context=10, lookahead=8, crossfade=0),
-    # 10 frames of context on each side cover the receptive field: float rounding only (113-119 dB,
-    # 1 int16 step at most).
-    "exact": StreamSettings(chunk_tokens=10, left_context=10, lookahead=10, crossfade=0),
-    # What Parler-TTS's streamer does at 44.1 kHz: 0.5 s chunks (43 frames), each decoded with the
-    # whole utterance so far (left context: the receptive field is as good) and the last ~5.7
-    # frames held back for the next decode (its stride, 2901 samples): lookahead 6. 34.2 / 36.6 /
-    # 35.5 dB; first audio after 49 frames (569 ms at 44.1 kHz).
-    "peers": StreamSettings(chunk_tokens=43, left_context=10, lookahead=6, crossfade=0),
-}
-CODEC_PRESETS: Mapping[str, Mapping[str, StreamSettings]] = {
-    "bicodec": PRESETS,
-    "snac-24khz": {
-        # First audio after 4 frames, as Orpheus (28 tokens), at 54 dB instead of 16 dB.
-        "default": StreamSettings(chunk_tokens=2, left_context=3, lookahead=2, crossfade=0),
-        # 3 frames of context on each side cover the receptive field: float rounding only.
-        "exact": StreamSettings(chunk_tokens=4, left_context=3, lookahead=3, crossfade=0),
-        # What Orpheus does: each new frame n decodes the last 4 frames (28 tokens) and keeps
-        # samples [2048:4096], frame n-3. (Orpheus never plays frame 0 nor the last 2 frames;
-        # a DecodeStream does, with the same windows between.)
-        "peers": StreamSettings(chunk_tokens=1, left_context=1, lookahead=2, crossfade=0),
-    },
-    "snac-32khz": _SNAC_WINDOWED,
-    "snac-44khz": _SNAC_WINDOWED,
-    "dac-44khz": _DAC,
-    "dac-24khz": _DAC,
-    "dac-16khz": _DAC,
-}
+from .stream_settings import (  # noqa: F401 (re-exported: the stream's public names)
+    CODEC_PRESETS,
+    DEFAULT_MAX_WINDOW,
+    GLOBAL_VOCAB,
+    HOP,
+    N_GLOBAL,
+    PRESETS,
+    RECEPTIVE_FIELD,
+    SAMPLE_RATE,
+    SEMANTIC_VOCAB,
+    StreamSettings,
+)
 
 
 @dataclass(frozen=True)
@@ -220,14 +90,19 @@ class DecodeStream:
             server and batch with other streams), a ``BiCodecDecoder`` or a ``SNACDecoder``
             (decoded in this process).
         global_ids: the utterance's 32 global (speaker) ids in ``[0, 4096)``; None for SNAC.
-        preset: ``"default"``, ``"exact"`` or ``"peers"`` (see :data:`PRESETS`); the four
+        preset: ``"default"``, ``"exact"`` or ``"peers"`` (see :data:`PRESETS`); the five
             keyword settings below override single fields of it.
-        chunk_tokens, left_context, lookahead, crossfade: see :class:`StreamSettings`.
+        chunk_tokens, left_context, lookahead, crossfade, first_chunk_tokens: see
+            :class:`StreamSettings`.
         dtype: ``"int16"`` (clipped, scaled by 32767 and truncated, little-endian) or
             ``"float32"`` (the model's output, little-endian) for the bytes returned.
-        max_window: the most tokens one decode may carry (the server's ``--max-tokens``; None:
-            its default for the codec, 1500 tokens for BiCodec, 30 s for SNAC); a large push is
-            split into several windows.
+        max_window: the most tokens one decode may carry. None: a client's server's
+            ``--max-tokens``, read again at every push and finish (a restarted server may have
+            another; a window it refuses as too long is planned again for it), and for an
+            in-process decoder the codec's default (1500 tokens for BiCodec, 30 s for SNAC). A
+            large push is split into several windows; a limit below one window's
+            ``left_context + chunk_tokens + lookahead`` shrinks the windows
+            (:meth:`StreamSettings.fitted`).
         timeout: seconds per decode for a client (None: the client's default).
         noise_seed: SNAC's noise seed for the whole utterance (as ``decode_codes``'s); BiCodec
             has no noise and takes only the default.
@@ -257,6 +132,7 @@ class DecodeStream:
         left_context: int | None = None,
         lookahead: int | None = None,
         crossfade: int | None = None,
+        first_chunk_tokens: int | None = None,
         dtype: str = "int16",
         max_window: int | None = None,
         timeout: float | None = None,
@@ -267,6 +143,7 @@ class DecodeStream:
             "left_context": left_context,
             "lookahead": lookahead,
             "crossfade": crossfade,
+            "first_chunk_tokens": first_chunk_tokens,
         }
         snac_config = _snac_config(decoder)
         # A codec of code levels (SNAC), decoded here or by the server the client attached to.
@@ -274,16 +151,15 @@ class DecodeStream:
         codec = layout.name if layout is not None else "bicodec"
         settings = StreamSettings.preset(preset, codec)
         settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-        if max_window is None:
-            max_window = default_max_frames(codec)
-        if settings.window_tokens > max_window:
+        if max_window is not None and settings.window_tokens > max_window:
             raise ValueError(
                 f"left_context + chunk_tokens + lookahead = {settings.window_tokens} tokens is "
-                f"more than max_window = {max_window} (the server's --max-tokens)"
+                f"more than max_window = {max_window}: raise max_window or shrink the settings"
             )
         self.settings = settings
         self._float = output_dtype_code(dtype) == 1
-        self._max_window = max_window
+        self._max_window = max_window  # None: the server's limit (a client), or the codec's
+        self._default_window = default_max_frames(codec)
         self._timeout = timeout
         self._decoder = decoder
         self._hop = HOP  # samples per token (BiCodec) or per frame (SNAC)
@@ -294,6 +170,12 @@ class DecodeStream:
         if layout is not None:
             self._in_process = snac_config is not None
             self._hop = layout.samples_per_frame
+            if layout.end_trim and settings.lookahead < 1:
+                # A window's decode ends end_trim samples short: only the last region may.
+                raise ValueError(
+                    f"{codec} decodes a window {layout.end_trim} samples short of its last frame: "
+                    f"lookahead must be >= 1, got {settings.lookahead}"
+                )
             if global_ids is not None:
                 raise ValueError(f"{codec} takes no global ids: pass global_ids=None")
             self._globals = np.zeros(0, np.int32)
@@ -333,32 +215,59 @@ class DecodeStream:
         """Add new semantic ids (possibly none); returns the PCM that became final, maybe b""."""
         with self._turn():
             self._append(semantic_ids)
-            windows = self._plan(final=False)
-            return self._assemble(windows, [self._decode(w) for w in windows])
+            while True:
+                limit, settings, windows = self._plan(final=False)
+                try:
+                    audio = [self._decode(w) for w in windows]
+                except ValueError:
+                    if self._replan(limit):
+                        continue
+                    raise
+                return self._assemble(windows, audio, settings)
 
     def finish(self) -> bytes:
         """End the utterance; returns the rest of its PCM. The stream is then finished."""
         with self._turn():
-            windows = self._plan(final=True)
-            out = self._assemble(windows, [self._decode(w) for w in windows], final=True)
-            self._finished = True
-            return out
+            while True:
+                limit, settings, windows = self._plan(final=True)
+                try:
+                    audio = [self._decode(w) for w in windows]
+                except ValueError:
+                    if self._replan(limit):
+                        continue
+                    raise
+                out = self._assemble(windows, audio, settings, final=True)
+                self._finished = True
+                return out
 
     async def push_async(self, semantic_ids: Any) -> bytes:
         """``push`` for asyncio: the windows of one push are decoded concurrently."""
         with self._turn():
             self._append(semantic_ids)
-            windows = self._plan(final=False)
-            return self._assemble(windows, await self._decode_all_async(windows))
+            while True:
+                limit, settings, windows = self._plan(final=False)
+                try:
+                    audio = await self._decode_all_async(windows)
+                except ValueError:
+                    if self._replan(limit):
+                        continue
+                    raise
+                return self._assemble(windows, audio, settings)
 
     async def finish_async(self) -> bytes:
         """``finish`` for asyncio."""
         with self._turn():
-            windows = self._plan(final=True)
-            audio = await self._decode_all_async(windows)
-            out = self._assemble(windows, audio, final=True)
-            self._finished = True
-            return out
+            while True:
+                limit, settings, windows = self._plan(final=True)
+                try:
+                    audio = await self._decode_all_async(windows)
+                except ValueError:
+                    if self._replan(limit):
+                        continue
+                    raise
+                out = self._assemble(windows, audio, settings, final=True)
+                self._finished = True
+                return out
 
     @property
     def tokens_received(self) -> int:
@@ -367,8 +276,10 @@ class DecodeStream:
 
     @property
     def samples_emitted(self) -> int:
-        """Samples returned so far; ``HOP × tokens_received`` once finished."""
-        return self._hop * self._emitted - len(self._tail)
+        """Samples returned so far; the full decode's length (``HOP × tokens_received``,
+        ``layout.decoded_samples(frames)``) once finished."""
+        short = self._layout.end_trim if self._finished and self._layout is not None and self._emitted else 0
+        return self._hop * self._emitted - len(self._tail) - short
 
     @property
     def tokens_decoded(self) -> int:
@@ -429,49 +340,73 @@ class DecodeStream:
         self._tokens = np.concatenate([self._tokens, rows])
         self._received += frames
 
-    def _plan(self, *, final: bool) -> list[_Window]:
-        """The windows to decode now; ``final``: everything left, without lookahead."""
-        s = self.settings
+    def _limit(self) -> int:
+        """The most tokens one window may carry now: ``max_window``, else the server's limit."""
+        if self._max_window is not None:
+            return self._max_window
+        limit = getattr(self._decoder, "max_tokens", None) if not self._in_process else None
+        return limit if isinstance(limit, int) else self._default_window
+
+    def _replan(self, limit: int) -> bool:
+        """After a window was refused as bad input: has the limit changed since it was planned
+        for ``limit``? (The server was replaced by one with another ``--max-tokens``: plan the
+        windows again for it; nothing was kept of the refused call's decodes.)"""
+        return self._limit() != limit
+
+    def _plan(self, *, final: bool) -> tuple[int, StreamSettings, list[_Window]]:
+        """The limit planned for, the settings fitted to it, and the windows to decode now;
+        ``final``: everything left, without lookahead."""
+        limit = self._limit()
+        s = self.settings.fitted(limit)
         e, n = self._emitted, self._received
         windows: list[_Window] = []
         # Longest region one window may carry, in whole chunks.
-        most = max(
-            s.chunk_tokens,
-            (self._max_window - s.left_context - s.lookahead) // s.chunk_tokens * s.chunk_tokens,
-        )
+        room = limit - s.left_context - s.lookahead  # >= chunk_tokens: the settings are fitted
+        most = max(s.chunk_tokens, room // s.chunk_tokens * s.chunk_tokens)
         while True:
-            ready = (n - s.lookahead - e) // s.chunk_tokens * s.chunk_tokens
-            if ready < s.chunk_tokens:
-                break
-            r1 = e + min(ready, most)
+            if e < s.chunk_tokens and s.first_chunk < s.chunk_tokens:  # the ramp: one region each
+                step = min(s.chunk_tokens, max(s.first_chunk, e))
+                if n - s.lookahead - e < step:
+                    break
+                r1 = e + step
+            else:
+                ready = (n - s.lookahead - e) // s.chunk_tokens * s.chunk_tokens
+                if ready < s.chunk_tokens:
+                    break
+                r1 = e + min(ready, most)
             windows.append(_Window(max(0, e - s.left_context), e, r1, r1 + s.lookahead))
             e = r1
         if final and e < n:
             # After the last push fewer than chunk_tokens + lookahead tokens remain, so this
             # window is never longer than a one-chunk window.
             windows.append(_Window(max(0, e - s.left_context), e, n, n))
-        return windows
+        return limit, s, windows
 
-    def _assemble(self, windows: list[_Window], audio: list[np.ndarray], *, final: bool = False) -> bytes:
-        """Cut each window's region out, crossfade the joints, update the state; -> bytes."""
+    def _assemble(self, windows: list[_Window], audio: list[np.ndarray], settings: StreamSettings,
+                  *, final: bool = False) -> bytes:  # fmt: skip
+        """Cut each window's region out, crossfade the joints, update the state; -> bytes.
+        ``settings``: those the windows were planned with (fitted to the server's limit)."""
         parts: list[np.ndarray] = []
         tail = self._tail
         for w, wav in zip(windows, audio, strict=True):
             hop = self._hop
-            if len(wav) != hop * (w.w1 - w.w0):
+            want = hop * (w.w1 - w.w0) - (self._layout.end_trim if self._layout is not None else 0)
+            if len(wav) != want:
                 raise ValueError(  # a decoder that does not give hop samples per token
-                    f"decode of {w.w1 - w.w0} tokens returned {len(wav)} samples, "
-                    f"expected {hop * (w.w1 - w.w0)}"
+                    f"decode of {w.w1 - w.w0} tokens returned {len(wav)} samples, expected {want}"
                 )
             start = hop * (w.r0 - w.w0)  # sample index of the joint inside this window
+            # The held tail is blended with what this window decodes of it; a window fitted to
+            # a smaller limit than the tail's may hold less of it: the rest goes out as it is.
+            blend = min(len(tail), start)
             if len(tail):
-                fade = _fade_in(len(tail))
-                parts.append(tail * (1.0 - fade) + wav[start - len(tail) : start] * fade)
+                fade, kept = _fade_in(blend), len(tail) - blend
+                parts += [tail[:kept], tail[kept:] * (1.0 - fade) + wav[start - blend : start] * fade]
             if w.r0 > 0:
                 self._joints.append(hop * w.r0)
             region = wav[start : hop * (w.r1 - w.w0)]
             last = final and w is windows[-1]
-            keep = 0 if last else self.settings.crossfade
+            keep = 0 if last else settings.crossfade
             parts.append(region[: len(region) - keep])
             tail = region[len(region) - keep :].copy()
         if final and not windows and len(tail):
@@ -527,7 +462,7 @@ class DecodeStream:
                                                  timeout=self._timeout)
                 for w in windows
             ]  # fmt: skip
-            return [np.asarray(a, dtype=np.float32) for a in await asyncio.gather(*requests)]
+            return [np.asarray(a, dtype=np.float32) for a in await _all_of(requests)]
         if self._in_process:
             ids = [self._window_ids(w) for w in windows]
             model, glb = self._decoder, self._globals
@@ -538,7 +473,17 @@ class DecodeStream:
             )
             for w in windows
         ]
-        return [np.asarray(a, dtype=np.float32) for a in await asyncio.gather(*requests)]
+        return [np.asarray(a, dtype=np.float32) for a in await _all_of(requests)]
+
+
+async def _all_of(requests: list) -> list:
+    """Await every request, then raise the first failure: none of a call's windows is still in
+    flight when it raises (a retry sends them again)."""
+    results = await asyncio.gather(*requests, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 class _Turn:
@@ -589,11 +534,14 @@ def _split_levels(rows: np.ndarray, rates: tuple[int, ...]) -> list[np.ndarray]:
 def _snac_decode(model: Any, levels: list[np.ndarray], start: int, seed: int) -> np.ndarray:
     """In-process decode of one SNAC window: per-level codes -> (spf·n,) float32.
 
-    ``start_frames`` makes the window draw the noise the full decode draws at these frames; a
-    codec without noise (DAC) takes neither.
+    ``start_frames`` makes the window draw the noise the full decode draws at these frames
+    (SNAC), or places it on the utterance's chunk grid (Qwen3-TTS); DAC takes neither.
     """
-    noise = {"noise_seeds": [seed], "start_frames": [start]} if getattr(model.config, "noise", False) else {}
-    audio = model.detokenize([lv.astype(np.int64)[None] for lv in levels], **noise)
+    if getattr(model.config, "noise", False):
+        where = {"noise_seeds": [seed], "start_frames": [start]}
+    else:
+        where = {"start_frames": [start]} if getattr(model, "takes_start_frames", False) else {}
+    audio = model.detokenize([lv.astype(np.int64)[None] for lv in levels], **where)
     return audio[0].cpu().numpy()  # (1, N) -> (N,)
 
 

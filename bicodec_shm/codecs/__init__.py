@@ -8,7 +8,7 @@
     dia.py          Dia's delayed audio tokens <-> DAC 44 kHz codes
 
 The client imports these to validate a request before it writes anything; the model package has
-one decoder per codec (``model/bicodec/``, ``model/snac/``, ``model/dac/``).
+one decoder per codec (``model/bicodec/``, ``model/snac/``, ``model/dac/``, ``model/qwen3_tts/``).
 
 May import: ``errors`` only (and numpy). Never torch.
 """
@@ -21,6 +21,7 @@ from .layout import (
     DAC_44KHZ,
     DEFAULT_NOISE_SEED,
     LAYOUTS,
+    QWEN3_TTS_12HZ,
     SNAC_24KHZ,
     SNAC_32KHZ,
     SNAC_44KHZ,
@@ -39,6 +40,7 @@ __all__ = [
     "DAC_44KHZ",
     "DEFAULT_NOISE_SEED",
     "LAYOUTS",
+    "QWEN3_TTS_12HZ",
     "SNAC_24KHZ",
     "SNAC_32KHZ",
     "SNAC_44KHZ",

@@ -12,9 +12,13 @@ carries ``level_rates[i]`` codes per frame::
     DAC 44 kHz  levels 0..8  |d|d|d|d|      one level per codebook of the residual quantizer,
                              |d|d|d|d|      each 1 code per frame (11.6 ms, 512 samples);
                                 ...         DAC 24 kHz: 32 codebooks, 16 kHz: 12 (320 samples)
+    Qwen3-TTS   levels 0..15, one per codebook (1 semantic + 15 acoustic), each 1 code per
+    12 Hz       frame (80 ms, 1920 samples at 24 kHz)
 
 A request of ``n`` frames therefore holds ``n · level_rates[i]`` codes at level ``i`` and
-decodes to ``n · samples_per_frame`` samples. A codec whose levels share one rate (DAC) may be
+decodes to ``n · samples_per_frame - end_trim`` samples (:meth:`CodecLayout.decoded_samples`):
+``end_trim`` is 0 but for DAC 24 and 16 kHz, whose decoders end 8 samples short (an odd-stride
+transposed convolution), as ``descript-audio-codec`` does. A codec whose levels share one rate (DAC) may be
 sent as one 2-D array, ``(n_levels, n · rate)``: row ``i`` is level ``i``.
 """
 
@@ -41,6 +45,8 @@ class CodecLayout:
         sample_rate: audio samples per second.
         n_global: global (speaker) ids per request; 0 for a codec that takes none.
         global_vocab: global ids lie in ``[0, global_vocab)``; 0 when ``n_global`` is 0.
+        end_trim: samples the decode of ``n`` frames falls short of ``n · samples_per_frame``,
+            the same for every ``n`` (DAC 24/16 kHz: 8); the answer has the decoder's length.
     """
 
     name: str
@@ -50,6 +56,7 @@ class CodecLayout:
     sample_rate: int
     n_global: int = 0
     global_vocab: int = 0
+    end_trim: int = 0
 
     def __post_init__(self) -> None:
         if not self.level_rates or len(self.level_rates) != len(self.level_vocab):
@@ -64,6 +71,10 @@ class CodecLayout:
             )
         if self.samples_per_frame < 1 or self.sample_rate < 1:
             raise ValueError("samples_per_frame and sample_rate must be >= 1")
+        if not 0 <= self.end_trim < self.samples_per_frame:
+            raise ValueError(
+                f"end_trim={self.end_trim} must be in [0, samples_per_frame={self.samples_per_frame})"
+            )
         if (self.n_global > 0) != (self.global_vocab > 0) or min(self.n_global, self.global_vocab) < 0:
             raise ValueError(
                 f"n_global={self.n_global} and global_vocab={self.global_vocab} must both be 0 "
@@ -84,6 +95,11 @@ class CodecLayout:
     def codes_per_frame(self) -> int:
         """Codes of all levels in one frame (SNAC 24 kHz: 7, Orpheus's tokens per frame)."""
         return sum(self.level_rates)
+
+    def decoded_samples(self, frames: Any) -> Any:
+        """Samples of the decode of ``frames`` frames (an int >= 1, or an integer array):
+        ``frames · samples_per_frame - end_trim``, the length the server answers with."""
+        return frames * self.samples_per_frame - self.end_trim
 
     @property
     def frame_rate(self) -> float:
@@ -127,6 +143,7 @@ class CodecLayout:
                 sample_rate=int(mapping["sample_rate"]),
                 n_global=int(mapping.get("n_global", 0)),
                 global_vocab=int(mapping.get("global_vocab", 0)),
+                end_trim=int(mapping.get("end_trim", 0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a codec layout: {dict(mapping)!r} ({exc!r})") from None
@@ -165,11 +182,16 @@ SNAC_44KHZ = CodecLayout("snac-44khz", (1, 2, 4, 8), (4096,) * 4, 3072, 44100)
 # descript-audio-codec's published models (8 kbps at 44.1 kHz, as Dia and Parler-TTS use it; 24 and
 # 16 kHz): one level per codebook, each at the frame rate, 1024 codes each.
 DAC_44KHZ = CodecLayout("dac-44khz", (1,) * 9, (1024,) * 9, 512, 44100)
-DAC_24KHZ = CodecLayout("dac-24khz", (1,) * 32, (1024,) * 32, 320, 24000)
-DAC_16KHZ = CodecLayout("dac-16khz", (1,) * 12, (1024,) * 12, 320, 16000)
+# The 24 and 16 kHz decoders' stride-5 block makes n frames 320·n - 8 samples (DACConfig.stage_lengths).
+DAC_24KHZ = CodecLayout("dac-24khz", (1,) * 32, (1024,) * 32, 320, 24000, end_trim=8)
+DAC_16KHZ = CodecLayout("dac-16khz", (1,) * 12, (1024,) * 12, 320, 16000, end_trim=8)
+# Qwen3-TTS's 12 Hz speech tokenizer: 16 codebooks (1 semantic + 15 acoustic) of 2048 codes, each
+# one code per 80 ms frame of 1920 samples at 24 kHz.
+QWEN3_TTS_12HZ = CodecLayout("qwen3-tts-12hz", (1,) * 16, (2048,) * 16, 1920, 24000)
 
 LAYOUTS: dict[str, CodecLayout] = {
-    c.name: c for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ, DAC_44KHZ, DAC_24KHZ, DAC_16KHZ)
+    c.name: c
+    for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ, DAC_44KHZ, DAC_24KHZ, DAC_16KHZ, QWEN3_TTS_12HZ)
 }
 
 

@@ -7,10 +7,15 @@
                         snac-24khz`` server
     spark_tts.py        Spark-TTS's audio tokenizer (``BiCodecTokenizer.detokenize``) on a
                         BiCodec server
+    qwen3_tts.py        Qwen3-TTS's speech tokenizer (``Qwen3TTSTokenizer.decode``) on a
+                        ``serve --codec qwen3-tts-12hz`` server
+    inputs.py           what they share: one client per server name, reading upstream's arrays
 
 May import: ``client``, ``codecs``, ``protocol`` and ``errors``; and, only when asked to start a
 private server in the calling process, ``server`` and ``model``. ``orpheus_tts`` and
 ``spark_tts`` import only what the package exports (``DecoderClient`` and ``DecodeStream`` from
-the client layer, ``codecs``' exports, ``errors``). Importing it imports no torch: tensors are
-read by duck typing, so a worker that decodes through the server never loads it.
+the client layer, ``codecs``' exports, ``errors``), the client's ``decode_any_length`` and
+``inputs`` (itself torch-free).
+Importing it imports no torch: tensors are read by duck typing, so a worker that decodes through
+the server never loads it.
 """

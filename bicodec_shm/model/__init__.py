@@ -8,10 +8,11 @@
                         ``GraphedDecoder`` (CUDA graphs over the shape buckets of a ``BucketGrid``)
     model/snac/         SNAC (Orpheus TTS): ``SNACDecoder``, ``SNACConfig``
     model/dac/          DAC (Dia, Parler-TTS): ``DACDecoder``, ``DACConfig``
+    model/qwen3_tts/    Qwen3-TTS's 12 Hz speech tokenizer: ``Qwen3TTSDecoder``, ``Qwen3CodecConfig``
 
 May import: ``codecs``, ``errors``, and ``protocol`` (the batch record a codec's adapter reads);
 never the client, server, deploy or tools layers. Every decoder is exact under mixed-length
-batching by masking, and checked against its upstream implementation.
+batching (by masking, or by being causal), and checked against its upstream implementation.
 
 Importing this package imports no codec: the names below load on first access (PEP 562), so that
 ``model.registry`` names a codec without importing torch.
@@ -29,6 +30,8 @@ _EXPORTS = {
     "DACConfig": ".dac",
     "DACDecoder": ".dac",
     "GraphedDecoder": ".bicodec.graphs",
+    "Qwen3CodecConfig": ".qwen3_tts",
+    "Qwen3TTSDecoder": ".qwen3_tts",
     "SNACConfig": ".snac",
     "SNACDecoder": ".snac",
 }

@@ -18,7 +18,28 @@ DECODERS = {
     "snac-32khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
     "snac-44khz": ("bicodec_shm.model.snac.decoder", "SNACDecoder"),
     **dict.fromkeys(("dac-44khz", "dac-24khz", "dac-16khz"), ("bicodec_shm.model.dac.decoder", "DACDecoder")),
+    "qwen3-tts-12hz": ("bicodec_shm.model.qwen3_tts.decoder", "Qwen3TTSDecoder"),
 }
+
+
+# Each codec family's checkpoint module: its ``codec_in(path)`` names the codec a model folder
+# (or a DAC weights file) holds, from its files and config alone.
+CHECKPOINTS = (  # the most particular first: SNAC's config.json reader takes any JSON object
+    "bicodec_shm.model.bicodec.checkpoint",
+    "bicodec_shm.model.qwen3_tts.checkpoint",
+    "bicodec_shm.model.snac.checkpoint",
+    "bicodec_shm.model.dac.checkpoint",
+)
+
+
+def codec_in(path: str) -> str | None:
+    """The codec whose model ``path`` holds (``"bicodec"``, ``"snac-24khz"``, ``"dac-16khz"``,
+    ...), recognised by every codec's own file names and config; None if no codec's."""
+    for module in CHECKPOINTS:
+        found = importlib.import_module(module).codec_in(path)
+        if found is not None:
+            return found
+    return None
 
 
 def decoder_class(codec: str) -> type:

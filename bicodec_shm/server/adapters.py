@@ -5,7 +5,8 @@ per frame, global ids). What a decoder's ``detokenize`` takes differs per codec,
 provides an adapter with two members::
 
     layout: CodecLayout                        written into the segment header
-    detokenize(batch: slot_io.Batch) -> (B, spf·T) float audio on the decoder's device
+    detokenize(batch: slot_io.Batch) -> (B, >= decoded_samples(T)) float audio on the
+                                               decoder's device (spf·T less the layout's end_trim)
 
 A decoder that plays an asynchronous device (the bench's stand-in, ``asynchronous = True``)
 also has ``launch(...)``, which returns its output at once with an event whose
@@ -58,7 +59,8 @@ class CodecAdapter(Protocol):
     layout: CodecLayout
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
-        """A gathered batch -> float audio (B, >= samples_per_frame·T) on the decoder's device."""
+        """A gathered batch -> float audio (B, >= layout.decoded_samples(T)) on the decoder's
+        device; row i is meaningful up to ``decoded_samples(lengths[i])``."""
         ...
 
 

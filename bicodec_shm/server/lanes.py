@@ -112,7 +112,7 @@ class Runner:
 
     Args:
         decoder: ``detokenize(semantic (B,T) int64, global (B,32) int64, lengths (B,) int64)``
-            -> float (B, >=320·T) on its device. Given host tensors: it moves them itself.
+            -> float (B, >= decoded_samples(T)) on its device. Given host tensors: it moves them itself.
             A decoder of another codec provides ``codec_adapter()`` (adapters.py).
         device: where the decoder's output lives.
     """
@@ -120,7 +120,7 @@ class Runner:
     def __init__(self, decoder: Any, device: torch.device) -> None:
         self.decoder = decoder
         self.adapter = codec_adapter(decoder)  # how this codec's decoder takes a batch
-        self._spf = self.adapter.layout.samples_per_frame
+        self._samples = self.adapter.layout.decoded_samples  # frames -> the decoder's length
         if device.type == "cuda" and device.index is None:  # "cuda": the current GPU, named
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -146,7 +146,7 @@ class Runner:
         """
         t0 = time.perf_counter_ns()
         b, t = batch.semantic.shape
-        n = t * self._spf
+        n = self._samples(t)
         event = started = None
         if self.cuda:  # times the batch on the device: from before its first kernel to its copies
             started = torch.cuda.Event(enable_timing=True)

@@ -17,14 +17,20 @@ PRESETS = ("spark-tts-0.5b", "tiny")
 CODECS = tuple(LAYOUTS)
 
 
-CODEC_PRESETS = tuple(dict.fromkeys(p for c in CODECS[1:] for p in (c, f"tiny-{c.split('-')[1]}")))
+def _rate(codec: str) -> str:
+    """The rate that names a codec's tiny preset: the name's last part (24khz, 12hz)."""
+    return codec.rsplit("-", 1)[1]
+
+
+CODEC_PRESETS = tuple(dict.fromkeys(p for c in CODECS[1:] for p in (c, f"tiny-{_rate(c)}")))
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
                    help="a Spark-TTS model folder or its BiCodec/ folder; for SNAC a folder with "
                         "config.json and pytorch_model.bin (hubertsiuzdak/snac_24khz); for DAC "
-                        "descript-audio-codec's weights.pth; default: none, random weights of "
+                        "descript-audio-codec's weights.pth; for qwen3-tts-12hz a Qwen3-TTS-Tokenizer-12Hz "
+                        "folder (or a Qwen3-TTS model folder); default: none, random weights of "
                         "--preset")  # fmt: skip
     p.add_argument("--preset", default=None, choices=PRESETS + CODEC_PRESETS,
                    help="architecture with random weights when no --model-dir is given (default: "
@@ -51,7 +57,7 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     from ..model.bicodec.buckets import BucketGrid
     from ..model.bicodec.graphs import GraphedDecoder
     from ..model.devices import resolve_device
-    from ..model.registry import decoder_class
+    from ..model.registry import codec_in, decoder_class
 
     device = resolve_device(args.device)
     dtype = getattr(args, "dtype", "float32")
@@ -66,10 +72,14 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
         raise ValueError(f"--cuda-graphs replays BiCodec only; serve {codec} without it")
     model = decoder_class(codec)
     if args.model_dir:
+        # Another codec's folder is named as such before this codec's loader says what it misses.
+        found = codec_in(args.model_dir)
+        if found is not None and found != codec:
+            raise ValueError(wrong_codec(args.model_dir, found, codec))
         decoder = model.from_pretrained(args.model_dir, device=device, dtype=dtype)
         loaded = getattr(decoder.config, "codec_name", "bicodec")
         if loaded != codec:
-            raise ValueError(f"--model-dir {args.model_dir} holds a {loaded} model, but --codec is {codec}")
+            raise ValueError(wrong_codec(args.model_dir, loaded, codec))
     else:
         if announce:
             print(
@@ -86,15 +96,21 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     return decoder
 
 
+def wrong_codec(model_dir: str, found: str, codec: str) -> str:
+    """The message for a ``--model-dir`` of codec ``found`` served as ``codec``."""
+    fix = "leave --codec out (bicodec is the default)" if found == "bicodec" else f"pass --codec {found}"
+    return f"--model-dir {model_dir} holds a {found} model, not a {codec} one: {fix}"
+
+
 def resolve_preset(codec: str, preset: str | None) -> str:
     """The model preset of ``--codec`` and ``--preset``: None is the codec's full size, "tiny"
     its tiny one (tiny-24khz for snac-24khz); a preset of another codec is refused."""
     if codec == "bicodec":
-        owners = [c for c in CODECS[1:] if preset in (c, f"tiny-{c.split('-')[1]}")]
+        owners = [c for c in CODECS[1:] if preset in (c, f"tiny-{_rate(c)}")]
         if owners:
             raise ValueError(f"--preset {preset} is not a BiCodec model; add --codec {' or '.join(owners)}")
         return preset or "spark-tts-0.5b"
-    rate = codec.split("-")[1]
+    rate = _rate(codec)
     if preset is None or preset == codec:
         return codec
     if preset in ("tiny", f"tiny-{rate}"):

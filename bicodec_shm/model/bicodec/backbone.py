@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..modules import AdaLayerNorm, ConvNeXtBlock, LayerNorm, TimeMask, masked
-from .config import PrenetConfig
+from .config import SAMPLING_BACKBONE_LAYERS, PrenetConfig
 
 
 class VocosBackbone(nn.Module):
@@ -70,9 +70,10 @@ class Prenet(nn.Module):
         super().__init__()
         dim, hidden = cfg.vocos_dim, cfg.vocos_intermediate_dim
         self.linear_pre = nn.Linear(cfg.input_channels, dim)
+        stage = SAMPLING_BACKBONE_LAYERS
         self.downsample = nn.Sequential(
             *(
-                nn.Sequential(UnitSamplingBlock(), VocosBackbone(dim, dim, hidden, num_layers=2))
+                nn.Sequential(UnitSamplingBlock(), VocosBackbone(dim, dim, hidden, num_layers=stage))
                 for _ in cfg.sample_ratios
             )
         )

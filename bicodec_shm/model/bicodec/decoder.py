@@ -101,8 +101,13 @@ class BiCodecDecoder(nn.Module):
             ValueError: an unknown dtype.
         """
         folder = checkpoint.find_folder(path)
-        model = cls(checkpoint.read_config(folder / checkpoint.CONFIG_FILE))
-        model.load_state_dict(weights.read_state_dict(folder / checkpoint.WEIGHTS_FILE, model))
+        file = folder / checkpoint.WEIGHTS_FILE
+        config = checkpoint.read_config(folder / checkpoint.CONFIG_FILE)
+        # Shapes first, on the meta device: nothing the config asks for is allocated unless the
+        # file holds it.
+        state = weights.read_state_dict(file, weights.meta_model(cls, config, file))
+        model = cls(config)
+        model.load_state_dict(state)
         return apply_dtype(model.to(device), dtype).eval()
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> int:

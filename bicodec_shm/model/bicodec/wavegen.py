@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..modules import ResidualUnit, Snake1d, TimeMask, WNConv1d, WNConvTranspose1d, masked
-from .config import WaveGeneratorConfig
+from .config import RESIDUAL_DILATIONS, WaveGeneratorConfig
 
 
 class UpsampleBlock(nn.Module):
@@ -31,7 +31,7 @@ class UpsampleBlock(nn.Module):
             input_dim, output_dim, kernel_size, stride=stride, padding=(kernel_size - stride) // 2
         )
         self.block = nn.Sequential(
-            Snake1d(input_dim), up, *(ResidualUnit(output_dim, d) for d in (1, 3, 9))
+            Snake1d(input_dim), up, *(ResidualUnit(output_dim, d) for d in RESIDUAL_DILATIONS)
         )
 
     def forward(self, x: torch.Tensor, mask: TimeMask | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from ..inputs import IdsLike, as_ids, check_lengths
 from ..modules import ResidualUnit
 from ..precision import apply_dtype
 from ..random_weights import WeightDraw, init_common_layers, seeded
+from ..weights import meta_model
 from . import checkpoint
 from .config import DACConfig
 from .layers import ResidualDequantizer, StageMask, WaveDecoder
@@ -33,10 +34,11 @@ OUTPUT_GAIN = 0.025
 
 
 class DACDecoder(nn.Module):
-    """Decode path of DAC: codes ``(B, n_codebooks, T)`` -> audio ``(B, spf·T)``.
+    """Decode path of DAC: codes ``(B, n_codebooks, T)`` -> audio ``(B, decoded_samples(T))``.
 
     ``T`` counts frames; every codebook has one code per frame, and a frame decodes to ``spf =
-    config.samples_per_frame`` samples (512 at 44.1 kHz, 320 at 24 and 16 kHz). Build with
+    config.samples_per_frame`` samples (512 at 44.1 kHz, 320 at 24 and 16 kHz), less 8 samples
+    per decode at 24 and 16 kHz (``config.decoded_samples``, as ``dac.DAC.decode``). Build with
     :meth:`from_pretrained` (a ``weights.pth`` as descript-audio-codec publishes it) or
     :meth:`from_config` (random weights); decode with :meth:`detokenize`.
     """
@@ -100,8 +102,12 @@ class DACDecoder(nn.Module):
         """
         file = checkpoint.find_file(path)
         kwargs, tensors = checkpoint.read_file(file)
-        model = cls(checkpoint.read_config(kwargs, file))
-        model.load_state_dict(checkpoint.fold(tensors, model, file))
+        config = checkpoint.read_config(kwargs, file)
+        # Shapes first, on the meta device: nothing the config asks for is allocated unless the
+        # file holds it.
+        state = checkpoint.fold(tensors, meta_model(cls, config, file), file)
+        model = cls(config)
+        model.load_state_dict(state)
         return apply_dtype(model.to(device), dtype).eval()
 
     def codec_adapter(self) -> Any:
@@ -144,8 +150,8 @@ class DACDecoder(nn.Module):
                 leak into short rows (for benchmarks); the tail is zeroed anyway.
 
         Returns:
-            float32 audio (B, spf·T) in (-1, 1) on the model's device. Row i holds
-            ``config.decoded_samples(lengths[i])`` samples (``dac.DAC.decode``'s, all of
+            float32 audio (B, config.decoded_samples(T)) in (-1, 1) on the model's device. Row i
+            holds ``config.decoded_samples(lengths[i])`` samples (``dac.DAC.decode``'s length:
             ``spf·lengths[i]`` at 44.1 kHz, 8 fewer at 24 and 16 kHz), then zeros.
 
         Raises:
@@ -163,11 +169,7 @@ class DACDecoder(nn.Module):
             per_stage = torch.tensor(stages, device=device).T  # (B, stages) -> (stages, B)
             shortest = tuple(min(column) for column in zip(*stages))
             stage_mask = StageMask(list(per_stage), padded, shortest, dtype=self.dtype)
-        audio = self(ids.to(device), stage_mask)[:, 0].float()  # (B, 1, N) -> (B, N)
-        out = audio
-        if audio.shape[1] < cfg.samples_per_frame * frames:  # 24/16 kHz: 8 samples short
-            out = audio.new_zeros((batch, cfg.samples_per_frame * frames))
-            out[:, : audio.shape[1]] = audio
+        out = self(ids.to(device), stage_mask)[:, 0].float()  # (B, 1, N) -> (B, N)
         ends = [s[-1] for s in stages]
         if min(ends) < out.shape[1]:
             ends_t = torch.tensor(ends, device=device)[:, None]

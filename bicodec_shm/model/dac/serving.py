@@ -22,6 +22,6 @@ class DACAdapter:
         self.layout: CodecLayout = decoder.config.layout
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
-        """(B, spf·T) float32 audio; row i equals its lone decode."""
+        """(B, decoded_samples(T)) float32 audio; row i equals its lone decode, then zeros."""
         codes = torch.from_numpy(np.stack(batch.codes, axis=1))  # n x (B, T) -> (B, n, T)
         return self.decoder.detokenize(codes, torch.from_numpy(batch.lengths))

@@ -21,6 +21,7 @@ from ..inputs import IdsLike, as_ids, check_lengths, check_range
 from ..modules import ResidualUnit, TimeMask
 from ..precision import apply_dtype
 from ..random_weights import WeightDraw, init_common_layers, seeded
+from ..weights import meta_model
 from . import checkpoint
 from .config import SNACConfig
 from .layers import BatchContext, LocalMHA, NoiseBlock, ResidualDequantizer, WaveDecoder
@@ -103,8 +104,12 @@ class SNACDecoder(nn.Module):
             ValueError: an unknown dtype.
         """
         folder = checkpoint.find_folder(path)
-        model = cls(checkpoint.read_config(folder / checkpoint.CONFIG_FILE))
-        model.load_state_dict(checkpoint.read_state_dict(folder, model))
+        config = checkpoint.read_config(folder / checkpoint.CONFIG_FILE)
+        # Shapes first, on the meta device: nothing the config asks for is allocated unless the
+        # file holds it.
+        state = checkpoint.read_state_dict(folder, meta_model(cls, config, folder))
+        model = cls(config)
+        model.load_state_dict(state)
         return apply_dtype(model.to(device), dtype).eval()
 
     def codec_adapter(self) -> Any:

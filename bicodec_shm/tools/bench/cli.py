@@ -86,6 +86,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -624,12 +625,38 @@ def run_and_report(args: argparse.Namespace) -> int:
 
 
 def _write_json(path: str, report: dict[str, Any]) -> None:
-    """Write ``report`` to ``path`` through a temporary file: a reader never sees half of it."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".part", "w") as f:
-        json.dump(report, f, indent=2, default=_json_default)
-        f.write("\n")
-    os.replace(path + ".part", path)
+    """Write ``report`` to ``path`` through a temporary file: a reader never sees half of it.
+
+    The temporary file is a fresh one (``mkstemp``: O_EXCL, a random name, no link followed)
+    beside ``path``, never a predictable ``PATH.part`` that another user of a shared directory
+    could have made a symbolic link to a file of ours."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, part = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # what open(path, "w") makes (mkstemp: 0o600)
+            json.dump(report, f, indent=2, default=_json_default)
+            f.write("\n")
+        os.replace(part, path)
+    except BaseException:
+        try:
+            os.unlink(part)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (which would race the run's threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "bicodec-shm bench",

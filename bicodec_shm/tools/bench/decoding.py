@@ -76,5 +76,6 @@ def as_batch(requests: Sequence[Request], layout: CodecLayout) -> Batch:
 
 
 def decode_rows(adapter: Any, batch: Batch) -> np.ndarray:
-    """The adapter's decode of ``batch`` as (B, spf·T) float32 numpy on the host."""
+    """The adapter's decode of ``batch`` as (B, layout.decoded_samples(T)) float32 numpy on the
+    host (at least that wide)."""
     return adapter.detokenize(batch).float().cpu().numpy()

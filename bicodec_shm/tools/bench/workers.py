@@ -63,7 +63,7 @@ def _to_int16(audio: np.ndarray) -> np.ndarray:
     return scaled.astype(np.int16)
 
 
-def _client_loop(index: int, requests: Iterable[Request], samples_per_frame: int,
+def _client_loop(index: int, requests: Iterable[Request], samples: Callable[[int], int],
                  decode: Callable[[Request], Any], start: Any, deadline: Any,
                  events: Any) -> None:  # fmt: skip
     """Announce readiness, wait for the common start, then decode one request after another
@@ -82,18 +82,17 @@ def _client_loop(index: int, requests: Iterable[Request], samples_per_frame: int
         t0 = clock()
         pcm = decode(request)
         t1 = clock()
-        if len(pcm) != samples_per_frame * request.frames:
-            raise RuntimeError(f"request {k}: {len(pcm)} samples, expected "
-                               f"{samples_per_frame * request.frames}")  # fmt: skip
+        if len(pcm) != samples(request.frames):
+            raise RuntimeError(f"request {k}: {len(pcm)} samples, expected {samples(request.frames)}")
         records.append((t1 - t0, request.frames, 1, t1))
     events.put(("exit", index, records))
 
 
 def _numpy_client(codec: str, index: int, mix: Sequence[Band], seed: int,
                   count: int | None) -> tuple[Iterator[Request], int]:  # fmt: skip
-    """Client ``index``'s requests of ``codec`` and the samples one of its frames decodes to."""
+    """Client ``index``'s requests of ``codec`` and its decode length (frames -> samples)."""
     layout = get_layout(codec)
-    return request_stream(mix, seed, index, count, layout), layout.samples_per_frame
+    return request_stream(mix, seed, index, count, layout), layout.decoded_samples
 
 
 def _shm_client(name: str, codec: str, index: int, mix: Sequence[Band], seed: int, count: int | None,
@@ -146,7 +145,8 @@ class _RecordingAdapter:
         self._file = file
 
     def detokenize(self, batch: Any) -> Any:
-        """A gathered ``slot_io.Batch`` -> (B, spf·T) float audio, as the wrapped adapter's."""
+        """A gathered ``slot_io.Batch`` -> (B, decoded_samples(T)) float audio, as the wrapped
+        adapter's."""
         started = time.perf_counter()
         out = self.adapter.detokenize(batch)
         self._record(started, batch)
@@ -308,7 +308,7 @@ def _queue_server(spec: ModelSpec, threads: int, policy: Policy, requests_q: Any
         from .decoding import as_batch, decode_rows
 
         adapter = codec_adapter(load_model(spec, threads))
-        spf = adapter.layout.samples_per_frame
+        samples = adapter.layout.decoded_samples  # frames -> the decoder's length
         events.put(("ready", "server"))
         waiting: dict[int, tuple[int, Request]] = {}  # request id -> (client, request)
         pending: list[Pending] = []
@@ -353,7 +353,7 @@ def _queue_server(spec: ModelSpec, threads: int, policy: Policy, requests_q: Any
                 hist[len(batch)] = hist.get(len(batch), 0) + 1
             audio = decode_rows(adapter, as_batch([r for _, r in rows], adapter.layout))
             for j, (client, request) in enumerate(rows):
-                reply_qs[client].put(_to_int16(audio[j, : spf * request.frames]))
+                reply_qs[client].put(_to_int16(audio[j, : samples(request.frames)]))
         events.put(("stats", hist))
 
 

@@ -1,0 +1,29 @@
+"""How the server decodes a batch of 12 Hz tokenizer requests (``server.adapters.CodecAdapter``).
+
+A request is one level per codebook, one code per frame each; the batch's levels stack into the
+decoder's (B, 16, T). The codec has no noise and no global ids, so a slot's seed and flags are
+not read; its start frame places a stream's window on the utterance's chunk grid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...codecs.layout import CodecLayout
+from ...protocol.slot_io import Batch
+
+
+class Qwen3TTSAdapter:
+    """Adapter of a ``Qwen3TTSDecoder``: the codebooks' levels stacked, lengths in frames."""
+
+    def __init__(self, decoder) -> None:  # noqa: ANN001 - a Qwen3TTSDecoder (no import cycle)
+        self.decoder = decoder
+        self.layout: CodecLayout = decoder.config.layout
+
+    def detokenize(self, batch: Batch) -> torch.Tensor:
+        """(B, 1920·T) float32 audio; row i equals its lone decode."""
+        codes = torch.from_numpy(np.stack(batch.codes, axis=1))  # 16 x (B, T) -> (B, 16, T)
+        starts = batch.requests.start_frames
+        starts = None if starts is None else starts.tolist()
+        return self.decoder.detokenize(codes, torch.from_numpy(batch.lengths), start_frames=starts)

@@ -25,9 +25,13 @@ import numpy as np
 import pytest
 from support import reap
 
+from bicodec_shm.protocol.header import stats_from_header
+from bicodec_shm.protocol.layout import DONE, FREE, READY
 from bicodec_shm.server.batch_costs import BatchPlanner, CostFit
 from bicodec_shm.server.dispatch_policy import DispatchPolicy
+from bicodec_shm.server.rejoin import Rejoin
 from bicodec_shm.tools.bench.standin import StandInDecoder
+from bicodec_shm.tools.stats_cmd import stats_rows
 
 CLIENT = str(Path(__file__).with_name("closed_loop_client.py"))
 MS = 1_000_000
@@ -38,13 +42,16 @@ NO_BATCHING = CostFit(60 * MS, 20 * MS, 0.0, 60 * MS, 30 * MS)  # an extra row c
 
 
 def _policy(turnaround_ms: float = 1.2, *, pipelined: bool = True, mode: str = "auto",
-            host_ms: float = 0.3, back: float = 1.0) -> DispatchPolicy:  # fmt: skip
+            host_ms: float = 0.3, back: float = 1.0,
+            took_ms: list[float] | None = None) -> DispatchPolicy:  # fmt: skip
     """A policy that measured ``turnaround_ms`` for a share ``back`` of its answered clients
-    (the rest paused 60 ms, past any wait window) and ``host_ms`` of host time per batch."""
+    (the rest paused 60 ms, past any wait window), or each of ``took_ms`` in turn for 40
+    clients, and ``host_ms`` of host time per batch."""
     policy = DispatchPolicy(mode, rejoin_ms=2.0, pipelined=pipelined)
     for i in range(40):
         policy.answered([i], 100 * MS * i)
         took = turnaround_ms if i < back * 40 else 60.0
+        took = took if took_ms is None else took_ms[i % len(took_ms)]
         policy.came_back(np.array([i]), np.array([100 * MS * i + int(took * MS)]))
     for step in ("publish", "plan", "launch"):
         policy.host_step(step, int(host_ms * MS / 3))
@@ -100,15 +107,41 @@ def test_a_batch_that_no_joining_row_would_grow_plans_now_without_a_vote():
 
 
 def test_clients_that_do_not_come_back_within_the_window_are_not_waited_for():
-    # 1 of 8 would join: a batch of 9 after the idle does not beat 8 now and 1 behind them.
-    assert not _decide(_policy(back=0.1), MODERN, [50] * 8, [50] * 8)
+    # 2 of 40 back in time: of 8 clients, not one row would join.
+    assert not _decide(_policy(back=0.05), MODERN, [50] * 8, [50] * 8)
     assert _decide(_policy(back=0.9), MODERN, [50] * 8, [50] * 8)
 
 
-def test_the_wait_window_stretches_to_the_measured_turnaround_up_to_a_cap():
+def test_a_wait_for_clients_that_may_not_come_back_is_charged_the_whole_window():
+    """1 of 8 clients back in time: the lane would wait out the whole window for the other 7."""
+    policy = _policy(back=0.1)  # 4 of 40 back in 1.2 ms; the window stays 2 ms
+    assert _decide(policy, MODERN, [50] * 8, [50] * 8)  # 9 rows after 2.3 ms beat 8 now, 1 behind
+    n = policy.history[-1].numbers
+    assert (n["rows_wait"], n["ns_per_row_wait"]) == (9, pytest.approx((2.0 + 0.3 + 6.7) / 9 * MS))
+
+
+def test_clients_slower_than_any_window_are_never_waited_for_once_measured():
+    """Two clients that turn around in 30-45 ms (a language model's step): no window up to the
+    25 ms cap takes in anyone, so no plan waits, on either kind of lane, and none votes to."""
+    steps = [30.0 + 15.0 * k / 39 for k in range(40)]
+    for pipelined in (False, True):
+        policy = _policy(took_ms=steps, pipelined=pipelined)
+        assert policy.wait_window_ms() == 2.0 and policy.rejoin_share == 0.0
+        assert not any(_decide(policy, MODERN, [50], [50]) for _ in range(64))
+        assert policy.waits == 0 and policy.decisions == 17  # the first plan, then every fourth: clear votes
+        assert [c.wait for c in policy.history] == [False]
+        assert "0% of the answered clients come back within the 2 ms window" in policy.history[0].reason
+
+
+def test_the_wait_window_stretches_only_where_clients_come_back_within_it():
     assert _policy(turnaround_ms=1.2).wait_window_ms() == 2.0  # the rejoin window covers them
     assert _policy(turnaround_ms=4.0).wait_window_ms() == pytest.approx(5.0)  # a loaded machine
-    assert _policy(turnaround_ms=40.0).wait_window_ms() == 25.0
+    # Clients 5-30 ms: the capped window takes in 80 % of them.
+    assert _policy(took_ms=[5.0 + 25.0 * k / 39 for k in range(40)]).wait_window_ms() == 25.0
+    # None within the cap: stretching to it would idle the device for nobody.
+    assert _policy(turnaround_ms=40.0).wait_window_ms() == 2.0
+    # Half back at once, half past the cap: the stretch adds nobody.
+    assert _policy(took_ms=[1.0, 40.0]).wait_window_ms() == 2.0
     assert _policy(turnaround_ms=4.0, mode="wait").wait_window_ms() == pytest.approx(5.0)  # it waits for them
 
 
@@ -148,6 +181,105 @@ def test_the_prevailing_choice_follows_the_traffic_and_each_change_is_logged(cap
                                "tokens, then 8 behind them, cost 0.8 ms a row; waiting, 16 rows")  # fmt: skip
     assert "clients come back in 1.2 ms" in lines[0] and "a batch's fixed cost 4 ms" in lines[0]
     assert lines[1].startswith("dispatch -> pipeline (plan while the running batch runs)")
+
+
+def test_a_wait_verdict_turns_back_once_the_clients_stop_coming_back():
+    """The lane waits for 16 x 50 tokens; then its clients stop coming back in time. The votes
+    on those plans (nobody to wait for) turn the stored verdict back, and no plan waits
+    meanwhile; once they come back in time again, it waits again."""
+    policy = _policy()
+    for _ in range(64):
+        _decide(policy, MODERN, [50] * 8, [50] * 8)
+    assert [c.wait for c in policy.history] == [True]
+    for i in range(40, 300):  # the traffic changes: every client now pauses 60 ms
+        policy.answered([i], 100 * MS * i)
+        policy.came_back(np.array([i]), np.array([100 * MS * i + 60 * MS]))
+    waits = policy.waits
+    for _ in range(64):
+        _decide(policy, MODERN, [50] * 8, [50] * 8)
+    assert policy.waits == waits  # not one plan waited for clients that do not come back
+    assert [c.wait for c in policy.history] == [True, False]
+    for i in range(300, 600):  # and back to 1.2 ms
+        policy.answered([i], 100 * MS * i)
+        policy.came_back(np.array([i]), np.array([100 * MS * i + int(1.2 * MS)]))
+    for _ in range(64):
+        _decide(policy, MODERN, [50] * 8, [50] * 8)
+    assert [c.wait for c in policy.history] == [True, False, True]
+
+
+# -- how long a lane waits for the clients it answered (server/rejoin.py) ------------------------
+
+LIGHT_LOAD = [30.0 + 15.0 * k / 39 for k in range(40)]  # two LM clients' turnarounds, ms
+
+
+def _rejoin(policy: DispatchPolicy) -> tuple[Rejoin, np.ndarray]:
+    """A ``Rejoin`` that answered slots 0 and 1 (50 tokens each), whose clients may send
+    again (DONE); slot 2 was answered too but its client gave the slot back (FREE)."""
+    rejoin = Rejoin(policy, policy.rejoin_ms)
+    rejoin.answered.update({0: 50, 1: 50, 2: 50})
+    return rejoin, np.array([DONE, DONE, FREE, READY], np.uint32)
+
+
+def _all_rows(lengths: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """A planner that batches every row."""
+    return np.arange(len(lengths))
+
+
+def _never_asked(coming):
+    raise AssertionError(f"the policy was asked about {coming}")
+
+
+def test_an_idle_sequential_lane_asks_the_policy_before_it_waits():
+    rejoin, states = _rejoin(_policy(took_ms=LIGHT_LOAD, pipelined=False))
+    asked: list[list[int]] = []
+    ask = lambda coming: asked.append(coming) or False  # noqa: E731
+    assert rejoin.window_ms(states, False, ask) == 0.0
+    assert asked == [[50, 50]]  # the clients that may come back, not the one that left
+    assert rejoin.window_ms(states, False, lambda coming: True) == 2.0  # where it pays: the window
+
+
+def test_an_idle_pipelined_lane_waits_only_for_clients_measured_to_come_back_within_the_window():
+    rejoin, states = _rejoin(_policy(took_ms=LIGHT_LOAD))  # 30-45 ms: none within any window
+    assert rejoin.window_ms(states, False, _never_asked) == 0.0
+    rejoin, states = _rejoin(_policy(turnaround_ms=4.0))  # a loaded machine's 4 ms: the window
+    assert rejoin.window_ms(states, False, _never_asked) == pytest.approx(5.0)
+    rejoin, states = _rejoin(_policy(turnaround_ms=4.0, mode="pipeline"))
+    assert rejoin.window_ms(states, False, _never_asked) == 0.0
+
+
+def test_a_pipelined_lane_told_to_wait_waits_the_window_without_asking_again():
+    rejoin, states = _rejoin(_policy(turnaround_ms=4.0, pipelined=False))  # (the told state is the same)
+    rejoin.told_to_wait()
+    assert rejoin.window_ms(states, False, _never_asked) == pytest.approx(5.0)
+    assert rejoin.window_ms(states, False, lambda coming: False) == 0.0  # told once, for one plan
+
+
+def test_a_busy_pipelined_lane_waits_for_answered_clients_only_where_they_come_back_in_time():
+    rejoin, states = _rejoin(_policy(turnaround_ms=1.2))
+    assert rejoin.window_ms(states, True, _never_asked) == 2.0  # back within rejoin_ms
+    rejoin, states = _rejoin(_policy(took_ms=LIGHT_LOAD))
+    assert rejoin.window_ms(states, True, _never_asked) == 0.0  # measured: none back in time
+    rejoin, states = _rejoin(DispatchPolicy("auto", rejoin_ms=2.0, pipelined=True))
+    assert rejoin.window_ms(states, True, _never_asked) == 2.0  # unmeasured: as before
+
+
+def test_dispatch_pipeline_never_waits_for_answered_clients():
+    rejoin, states = _rejoin(_policy(turnaround_ms=1.2, mode="pipeline"))
+    rejoin.told_to_wait()  # (never told under "pipeline"; even so)
+    assert rejoin.window_ms(states, True, _never_asked) == 0.0
+    assert rejoin.window_ms(states, False, lambda coming: rejoin.policy.should_wait(
+        np.array([50]), np.array([0]), coming, MODERN, _all_rows)) == 0.0  # fmt: skip
+    rejoin, states = _rejoin(_policy(took_ms=LIGHT_LOAD, mode="wait"))
+    assert rejoin.window_ms(states, True, _never_asked) == 2.0  # "wait" always waits
+
+
+def test_what_a_lane_waits_on_purpose_is_its_own_and_taken_once():
+    rejoin, _ = _rejoin(_policy())
+    rejoin.add_waited(3 * MS)
+    other = threading.Thread(target=lambda: rejoin.add_waited(7 * MS))
+    other.start()
+    other.join()
+    assert rejoin.take_waited_ns() == 3 * MS and rejoin.take_waited_ns() == 0
 
 
 # -- a real server on the stand-in ----------------------------------------------------------------
@@ -221,6 +353,7 @@ def test_dispatch_pipeline_never_waits_where_waiting_would_pay(thread_server, sh
     server = thread_server(decoder, dispatch="pipeline", **SERVER)
     _serve_equal_lengths(server, decoder, shm_name)
     assert server.dispatch_choices == [] and server._policy.waits == 0
+    assert int(server.segment.header["waited_ns"]) == 0  # nor for the clients of the batch before
 
 
 def test_a_sequential_lane_with_a_large_fixed_cost_waits_for_its_clients(thread_server, shm_name):
@@ -230,3 +363,65 @@ def test_a_sequential_lane_with_a_large_fixed_cost_waits_for_its_clients(thread_
     assert not server._pipeline
     waited = np.mean(_serve_equal_lengths(server, decoder, shm_name, batches=60))
     assert server.dispatch_choices[-1].wait and waited > 5.5  # of 8 clients
+
+
+# -- light load: two clients that take a language model's step between requests ------------------
+
+
+def _serve_light_load(server, decoder, name: str, batches: int = 90,
+                      think: tuple[str, str] = ("30", "45")) -> tuple[int, int]:  # fmt: skip
+    """Two closed-loop clients that think 30-45 ms (``think``) between requests; (the header's
+    waited_ns once the policy measured them, at ``batches // 3`` batches; at ``batches``)."""
+    procs = [subprocess.Popen([sys.executable, CLIENT, name, "50", "50", *think], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    header = server.segment.header
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        deadline = time.monotonic() + 120
+        measured = None
+        while len(decoder.sizes) < batches:
+            assert time.monotonic() < deadline, decoder.sizes
+            if measured is None and len(decoder.sizes) >= batches // 3:
+                assert server._policy.measured
+                measured = int(header["waited_ns"])
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            reap(p)
+    return measured, int(header["waited_ns"])
+
+
+@pytest.mark.parametrize("lane", ["pipelined", "sequential"])
+def test_at_light_load_a_lane_stops_waiting_once_it_measured_that_its_clients_come_back_late(
+        thread_server, shm_name, lane):  # fmt: skip
+    """Two clients that each take 30-45 ms between requests: once measured, no lane holds a
+    ready request back for the other client (it would wait the whole window, for nobody). With
+    the default rejoin window; the 4 ms stand-in as a GPU (pipelined) and as a synchronous
+    device (a sequential lane, a CPU's)."""
+    decoder = RecordingStandIn(a_ms=4.0, b_ms=0.006, asynchronous=lane == "pipelined")
+    server = thread_server(decoder)
+    assert server._pipeline == (lane == "pipelined")
+    measured, end = _serve_light_load(server, decoder, shm_name)
+    assert end == measured, f"waited {(end - measured) / MS:.1f} ms after measuring"
+
+
+def test_deliberate_waits_are_counted_apart_from_the_host_gap(thread_server, shm_name):
+    """``dispatch="wait"`` with a 60 ms window and clients that take 100-120 ms: a batch waits
+    until the other client's request comes or the window ends (25-60 ms a batch measured here,
+    the less the more loaded the machine). That is counted as waited, not as host gap (which a
+    machine this loaded makes up to ~15 ms a batch)."""
+    decoder = RecordingStandIn(a_ms=4.0, b_ms=0.006)
+    server = thread_server(decoder, dispatch="wait", rejoin_ms=60.0)
+    _serve_light_load(server, decoder, shm_name, batches=40, think=("100", "120"))
+    header = server.segment.header
+    waited, gap = int(header["waited_ns"]), int(header["host_gap_ns"])
+    assert waited > 0.25 * 60 * MS * len(decoder.sizes)
+    assert gap < 0.5 * waited, f"host gap {gap / MS:.0f} ms, waited {waited / MS:.0f} ms"
+    rows = dict(stats_rows(stats_from_header(header)))  # what ``bicodec-shm stats`` shows
+    assert rows["waited on purpose"].startswith(f"{waited / MS:.1f} ms")

@@ -29,7 +29,7 @@ import torch
 from support import reap
 
 from bicodec_shm.protocol.header import stats_from_header
-from bicodec_shm.server.lane_tuner import BatchMeter, BatchSample, BusyClock, LaneTuner, LaneTuning
+from bicodec_shm.server.lane_tuner import BatchMeter, BatchSample, BusyClock, Choice, LaneTuner, LaneTuning
 from bicodec_shm.server.lanes import lane_threads
 
 CLIENT = str(Path(__file__).with_name("closed_loop_client.py"))
@@ -228,6 +228,136 @@ def test_the_tuner_keeps_what_serves_the_load_it_sees(clients, expected):
         assert chosen[0].scores[1] / chosen[0].scores[2] == pytest.approx(1.24, rel=0.01)
 
 
+# -- a fresh tuner starts from the load's prediction -------------------------------------------
+
+START = LaneTuning(min_batches=4, min_seconds=0.5, first_hold_seconds=30.0, hold_seconds=600.0)
+
+
+def _light_cost(threads: int, rows: int, longest: int) -> float:
+    return _planted_ms(RESULTS_CPU, threads, rows, longest)
+
+
+def test_one_request_at_a_time_starts_and_stays_at_one_lane_without_trying_narrow_lanes():
+    """One client: the first 4 batches (the reading, at 2 lanes of one thread) each ran alone
+    with one row; then one two-thread lane serves every request, and nothing is explored for
+    the first hold (30 s; 200 requests of 64 ms are 13 s)."""
+    clock = _Clock()
+    tuner = LaneTuner([1, 2], start=2, tuning=START, clock=clock, predict=True)
+    assert tuner.lanes == 2 and tuner.exploring
+    latencies = _simulate(tuner, clock, _light_cost, clients=1, tokens=25, requests=200, max_batch=4)
+    assert [(c.lanes, c.reason.split(":")[0]) for c in tuner.history] == [(1, "predicted from the load")]
+    assert tuner.lanes == 1 and not tuner.exploring
+    assert latencies[:4] == pytest.approx([_light_cost(1, 1, 25)] * 4, rel=0.01)  # the reading
+    assert latencies[4:] == pytest.approx([_light_cost(2, 1, 25)] * 196, rel=0.01)
+
+
+@pytest.mark.parametrize("clients, max_batch", [(8, 4), (2, 1)], ids=["batches-of-4", "one-row-side-by-side"])
+def test_concurrent_requests_start_at_the_most_lanes_after_one_batch(clients, max_batch):
+    """Several clients: the first batch already shows more than one request decoding at once
+    (batches of 4; or single rows that two lanes decode side by side), so the most lanes are
+    predicted at once and hold."""
+    clock = _Clock()
+    tuner = LaneTuner([1, 2], start=2, tuning=START, clock=clock, predict=True)
+    _simulate(tuner, clock, _light_cost, clients=clients, tokens=25, requests=50 * clients,
+              max_batch=max_batch)
+    assert [(c.lanes, c.reason.split(":")[0]) for c in tuner.history] == [(2, "predicted from the load")]
+    assert tuner.lanes == 2 and float(tuner.history[0].reason.split("up to ")[1].split()[0]) >= 2
+
+
+def test_the_start_reads_the_load_then_predicts_one_lane_or_all_of_them():
+    """Planted batches, four cores, read at four lanes and at two (the server's): four one-row
+    batches alone predict one lane (after the fourth); two side by side (each half of its
+    decode) predict four, after the first."""
+    clock = _Clock()
+    alone = LaneTuner([1, 2, 4], start=4, tuning=START, clock=clock, predict=True)
+    assert alone.lanes == 4
+    for k in range(4):
+        start = clock.ns
+        clock.ns += 100_000_000
+        choice = alone.observe(BatchSample(start, start, clock.ns, 25))
+        assert (choice is None) == (k < 3) and alone.lanes == (4 if k < 3 else 1)
+    assert choice.lanes == 1 and choice.reason.startswith("predicted")
+    side = LaneTuner([1, 2, 4], start=2, tuning=START, clock=clock, predict=True)
+    start = clock.ns
+    clock.ns += 100_000_000
+    choice = side.observe(BatchSample(start, start, clock.ns, 25, busy_ns=50_000_000))
+    assert choice is not None and choice.lanes == side.lanes == 4 and choice.reason.startswith("predicted")
+    assert [c.lanes for c in side.history] == [4] and not side.exploring
+
+
+def test_later_load_turns_a_prediction_of_one_lane_into_the_most_lanes_at_once():
+    """One client first (one lane predicted), then more: the first batch of three rows ends
+    the one lane at once, before the first hold's end; then the most lanes hold, and lone
+    batches among theirs change nothing."""
+    clock = _Clock()
+    tuner = LaneTuner([1, 2, 4], start=4, tuning=START, clock=clock, predict=True)
+
+    def batch(rows: int, share: float = 1.0) -> Choice | None:
+        start = clock.ns
+        clock.ns += 100_000_000
+        return tuner.observe(BatchSample(start, start, clock.ns, 25 * rows, rows=rows,
+                                         busy_ns=int(100_000_000 * share)))  # fmt: skip
+
+    for _ in range(4 + 10):
+        batch(1)
+    assert tuner.lanes == 1 and len(tuner.history) == 1
+    choice = batch(3)
+    assert choice is not None and choice.lanes == tuner.lanes == 4 and choice.reason.startswith("predicted")
+    for _ in range(10):
+        assert batch(1) is None
+    assert tuner.lanes == 4 and not tuner.exploring and clock.ns - 10**9 < START.first_hold_seconds * 1e9
+
+
+def test_a_prediction_is_measured_after_its_first_hold_and_replaced_when_slower():
+    """Heavy load predicts two lanes; the planted model makes one faster. Nothing changes for
+    the first hold (5 s); then the exploration from two measures both and chooses one; and a
+    later change of the traffic is followed after the ordinary hold, as ever."""
+    clock = _Clock()
+    tuning = LaneTuning(min_batches=2, min_seconds=0.1, first_hold_seconds=5.0, hold_seconds=10.0)
+    tuner = LaneTuner([1, 2], start=2, tuning=tuning, clock=clock, predict=True)
+    began = clock.ns
+    _drive(tuner, clock, {1: 80.0, 2: 120.0}, batches=2)
+    assert [c.lanes for c in tuner.history] == [2] and tuner.history[0].reason.startswith("predicted")
+    _drive(tuner, clock, {1: 80.0, 2: 120.0}, batches=18)  # 18 batches of 120 ms: 2.2 s
+    assert tuner.lanes == 2 and len(tuner.history) == 1 and clock.ns - began < 5e9
+    _drive(tuner, clock, {1: 80.0, 2: 120.0}, batches=100)
+    chosen = [c for c in tuner.history if c.reason.startswith("chosen")]
+    assert chosen[0].lanes == 1 and set(chosen[0].scores) == {1, 2} and tuner.lanes == 1
+    _drive(tuner, clock, {1: 150.0, 2: 90.0}, batches=400)
+    assert tuner.lanes == 2
+    assert [c.lanes for c in tuner.history if c.reason.startswith("chosen")][:2] == [1, 2]
+
+
+@pytest.mark.parametrize("clients, expected", [(1, 1), (4, 2)], ids=["one-client", "four-clients"])
+def test_a_fresh_server_starts_from_the_load_without_exploring(clients, expected, thread_server, shm_name,
+                                                               two_cores):  # fmt: skip
+    """A real server, closed-loop client processes: one client gets one two-thread lane after
+    its first batches, four get two one-thread lanes; neither explores during the first hold."""
+    decoder = PlantedCostDecoder(**LIGHT_LOAD)
+    server = thread_server(decoder, lane_tuning=LaneTuning(min_batches=4, min_seconds=0.3,
+                                                           first_hold_seconds=600.0))  # fmt: skip
+    assert server.lanes == 2
+    procs = _closed_loop_clients(shm_name, clients, tokens=20)
+    try:
+        deadline = time.monotonic() + 60
+        while len(decoder.threads_seen) < 60:
+            assert time.monotonic() < deadline, server.lane_choices
+            time.sleep(0.05)
+    finally:
+        _stop(procs)
+    choices = [(c.lanes, c.reason.split(":")[0]) for c in server.lane_choices]
+    assert choices == [(expected, "predicted from the load")]
+    assert server.lanes == expected and stats_from_header(server.segment.header)["lanes"] == expected
+    threads = decoder.threads_seen
+    # One thread per lane while the load is read: one client's first 4 batches (min_batches,
+    # the batching policy's measuring notwithstanding; and a fifth where the other lane, its
+    # turn taken already, planned it between the fourth's answer and the switch), then the
+    # prediction's threads throughout.
+    reading = threads.index(2) if expected == 1 else 0
+    assert reading in ((4, 5) if expected == 1 else (0,)), threads[:10]
+    assert set(threads[reading:]) == {2 if expected == 1 else 1}
+
+
 def test_bad_tuner_settings_are_refused():
     with pytest.raises(ValueError, match="two or more"):
         LaneTuner([2], start=2)
@@ -235,6 +365,8 @@ def test_bad_tuner_settings_are_refused():
         LaneTuner([1, 2], start=4)
     with pytest.raises(ValueError, match="margin"):
         LaneTuning(margin=1.5)
+    with pytest.raises(ValueError, match="bad lane tuning"):
+        LaneTuning(first_hold_seconds=-1.0)
 
 
 class PlantedCostDecoder:
@@ -305,8 +437,8 @@ LIGHT_LOAD = dict(a_ms=2.0, b_ms=2.0, speedup={1: 1.0, 2: 1.61})
 def test_the_server_settles_on_the_arrangement_the_planted_model_makes_faster(
         model, clients, expected, thread_server, shm_name, two_cores):  # fmt: skip
     decoder = PlantedCostDecoder(**model)
-    server = thread_server(decoder, lane_tuning=LaneTuning(min_batches=6, min_seconds=0.3,
-                                                           hold_seconds=600.0))  # fmt: skip
+    server = thread_server(decoder, lane_tuning=LaneTuning(min_batches=6, min_seconds=0.3, hold_seconds=600.0,
+                                                           first_hold_seconds=0.0))  # fmt: skip
     assert server.lanes == 2 and server.max_lanes == 2
     procs = _closed_loop_clients(shm_name, clients, tokens=20)
     try:

@@ -22,21 +22,30 @@ would add few rows, and pipelining wins. So it is measured, per plan::
                 request taken as long as its last, and only the share of clients that came back
                 within the wait window):                                (idle + t(B')) / |B'|
            idle = the clients' turnaround (75th percentile), plus the host's time per batch on
-                  a pipelined lane
+                  a pipelined lane; the whole wait window instead of the turnaround where some
+                  of the clients are not expected back (the lane waits for them to its end)
     wait window = the rejoin window (``rejoin_ms``), or as long as the clients measure to take
-                  (90th percentile x 1.25) where that is longer, up to 25 ms
+                  (90th percentile x 1.25) where that is longer, up to 25 ms, if the stretch
+                  takes in a measured share of them (``MIN_STRETCH_GAIN``): a window that no
+                  client comes back within only idles the device
 
 ``t`` is the lane's own fitted batch cost (batch_costs.CostFit, fixed + per token); the
 turnaround is measured from each answer's post to the client's next submit of that slot; the
 host's time is the measured publish, plan and launch of a batch. The lane waits when waiting is
-cheaper per row by ``margin``. Before anything is measured it does what it did before: a
-pipelined lane plans now, a sequential lane waits up to the rejoin window.
+cheaper per row by ``margin``. Where the turnaround is measured and none of the clients it
+would wait for come back within the window (a share of them too small to make one row), it
+plans now, at once, whatever the votes say: light load, where clients take longer than any
+window, never waits. Before anything is measured it does what it did before: a pipelined lane
+plans now, a sequential lane waits up to the rejoin window.
 
 The lane does not act on each comparison alone: one plan in ``VOTE_EVERY`` casts a vote (within
 ``margin`` either way, for the choice that prevails), and the lane does what the majority of the
-last ``WINDOW`` votes says, so that the noise of a loaded machine does not idle the device at
-random. ``dispatch="pipeline"`` or ``"wait"`` fixes the choice. Each change of the prevailing
-choice is logged with the numbers of the vote that turned it, under
+last ``WINDOW`` votes says (a pipelined lane votes on the plans it makes beside a running batch,
+which the comparison models; server/rejoin.py says what it does while its device is idle), so
+that the noise of a loaded machine does not idle the device at random. The majority is taken again at
+every vote, those of plans with nobody to wait for included, so that a "wait" turns back once
+the clients stop coming back. ``dispatch="pipeline"`` or ``"wait"`` fixes the choice. Each
+change of the prevailing choice is logged with the numbers of the vote that turned it, under
 ``bicodec_shm.server.dispatch``, and kept in ``history``.
 """
 
@@ -64,6 +73,9 @@ MAX_TURNAROUND_NS = 50_000_000  # a client that takes longer paused on its own
 WINDOW_CAP_MS = 25.0  # the longest a lane waits for its clients, however slow they come back
 HOST_SAMPLES = 32  # recent host times per step
 REFRESH = 16  # clients back between recomputations of the turnaround statistics
+# The share of the answered clients that a stretched wait window must take in beyond those back
+# within the rejoin window: clients slower than the cap (a language model's step) are not worth it.
+MIN_STRETCH_GAIN = 0.1
 
 
 @dataclass
@@ -106,6 +118,7 @@ class DispatchPolicy:
         self._prevailing: bool | None = None
         self._calls = 0
         self._stats: tuple[float, float | None, float] | None = None
+        self._stats_measured = False  # whether ``_stats`` was computed from enough clients
         self._new_backs = 0
 
     # -- measurements (any lane's thread) ----------------------------------------------------
@@ -144,20 +157,42 @@ class DispatchPolicy:
 
     def _turnaround_stats(self) -> tuple[float, float | None, float]:
         """(wait window ns, turnaround ns within it or None, share of clients back within it),
-        recomputed once ``REFRESH`` new clients came back (percentiles cost ~50 us each)."""
-        if self._stats is not None and self._new_backs < REFRESH:
+        recomputed once ``REFRESH`` new clients came back (percentiles cost ~50 us each), and
+        until they are ``measured`` (what was cached before then must not stand for them)."""
+        if self._stats is not None and self._new_backs < REFRESH and self._stats_measured:
             return self._stats
+        self._stats_measured = self.measured
         self._new_backs = 0
         turnarounds = np.fromiter(list(self._turnarounds), np.int64)
+        outcomes = np.fromiter(list(self._outcomes), np.int64)
         window = self.rejoin_ms * 1e6
         if len(turnarounds) >= MIN_TURNAROUNDS:  # as long as the clients measure to take
-            window = min(max(window, 1.25 * float(np.percentile(turnarounds, 90))), WINDOW_CAP_MS * 1e6)
+            stretched = min(max(window, 1.25 * float(np.percentile(turnarounds, 90))), WINDOW_CAP_MS * 1e6)
+            # Only where the stretch takes in clients: past the cap, the 90th percentile says
+            # nothing about whether anybody comes back within it.
+            if _share(outcomes, stretched) - _share(outcomes, window) >= MIN_STRETCH_GAIN:
+                window = stretched
         within = turnarounds[turnarounds <= window]
-        turnaround = float(np.percentile(within, 75)) if len(within) >= MIN_TURNAROUNDS else None
-        outcomes = np.fromiter(list(self._outcomes), np.int64)
-        share = float(np.mean(outcomes <= window)) if len(outcomes) else 1.0
-        self._stats = (window, turnaround, share)
+        turnaround = float(np.percentile(within, 75)) if len(within) else None
+        self._stats = (window, turnaround, _share(outcomes, window))
         return self._stats
+
+    @property
+    def measured(self) -> bool:
+        """Enough answered clients were seen back, or not, to judge waiting on them."""
+        return len(self._outcomes) >= MIN_TURNAROUNDS
+
+    def rejoins_within(self, window_ms: float, coming: int) -> bool:
+        """Would any of ``coming`` answered clients be back within ``window_ms``? (What a
+        pipelined lane asks before it waits for them while its device is busy.) Unmeasured:
+        yes; ``dispatch="pipeline"``: never waited for; ``"wait"``: always."""
+        if self.mode in ("pipeline", "wait"):  # fixed
+            return self.mode == "wait"
+        if not self.measured:
+            return True
+        with self._lock:
+            outcomes = np.fromiter(list(self._outcomes), np.int64)
+        return round(_share(outcomes, window_ms * 1e6) * coming) >= 1
 
     def wait_window_ms(self) -> float:
         """How long a lane whose device is idle waits for the clients it answered: the rejoin
@@ -167,7 +202,7 @@ class DispatchPolicy:
 
     @property
     def turnaround_ns(self) -> float | None:
-        """The clients' turnaround within the wait window, 75th percentile (None: too few)."""
+        """The clients' turnaround within the wait window, 75th percentile (None: none within)."""
         return self._turnaround_stats()[1]
 
     @property
@@ -194,15 +229,19 @@ class DispatchPolicy:
             self.waits += self.mode == "wait"
             return self.mode == "wait"
         self._calls += 1
-        if self._prevailing is not None and self._calls % VOTE_EVERY:
+        voting = self._prevailing is None or not self._calls % VOTE_EVERY
+        window, turnaround, share = self._turnaround_stats()
+        joining = np.asarray(list(coming)[: int(round(share * len(coming)))], ready.dtype)
+        if self.measured and (not len(joining) or turnaround is None or not len(ready)):
+            # Measured, and none of them back within the window: nothing to wait for, whatever
+            # prevails. As a vote it counts, so that a "wait" turns back with the traffic.
+            clear = {"rejoin_share": share, "window_ns": window, "coming": len(coming)}
+            return self._decide(False, clear, clear=True) if voting else self._act(False)
+        if not voting:
             return self._act(self._prevailing)  # between votes: the prevailing choice
-        _, turnaround, share = self._turnaround_stats()
-        if fit is None or turnaround is None or not len(coming):
+        if fit is None or turnaround is None:
             self.waits += not self.pipelined
             return not self.pipelined  # what the lane did before anything was measured
-        joining = np.asarray(list(coming)[: int(round(share * len(coming)))], ready.dtype)
-        if not len(joining) or not len(ready):
-            return self._decide(False, {}, clear=True)
         # Every request of either plan: those ready, then the joining clients' next ones (later).
         lengths = np.concatenate((ready, joining))
         later = ready_seen.max() + 1 + np.arange(len(joining), dtype=ready_seen.dtype)
@@ -226,7 +265,9 @@ class DispatchPolicy:
             return self._act(False)
         left = _others(len(lengths), merged)
         after = left[predict(lengths[left], seen[left])] if len(left) else left
-        waited = idle + self._cost(fit, lengths[merged]) + self._cost(fit, lengths[after])
+        # A client that does not come back keeps the lane waiting to the end of the window.
+        stays = max(0.0, window - turnaround) if len(joining) < len(coming) else 0.0
+        waited = idle + stays + self._cost(fit, lengths[merged]) + self._cost(fit, lengths[after])
         waited /= len(merged) + len(after)
         numbers = {"rows_now": len(first), "rows_next": len(second), "longest_now": int(ready[first].max()),
                    "rows_wait": len(merged), "longest_wait": int(lengths[merged].max()),
@@ -249,14 +290,15 @@ class DispatchPolicy:
 
     def _decide(self, vote: bool, numbers: dict[str, float], *, clear: bool = False) -> bool:
         """Count a vote; the lane does what the majority of the last ``WINDOW`` votes says (a
-        ``clear`` vote, where no row could join, is done at once: there is nothing to wait for)."""
+        ``clear`` vote, where no row could join, is done at once: there is nothing to wait for).
+        The majority is taken on every vote, a clear one included."""
         self.decisions += 1
         self._recent.append(vote)
         prevailing = sum(self._recent) * 2 > len(self._recent)
-        if prevailing != self._prevailing and numbers:
+        if prevailing != self._prevailing:
             self._prevailing = prevailing
             self._record(prevailing, numbers)
-        return self._act(vote if clear or self._prevailing is None else self._prevailing)
+        return self._act(vote if clear else self._prevailing)
 
     def _act(self, wait: bool) -> bool:
         self.waits += wait
@@ -268,6 +310,12 @@ class DispatchPolicy:
                 (True, False): "wait for the clients just answered",
                 (False, True): "pipeline (plan while the running batch runs)",
                 (False, False): "plan at once"}[wait, self.pipelined]  # fmt: skip
+        if "ns_per_row_now" not in n:  # a clear vote turned it
+            reason = (f"{n['rejoin_share']:.0%} of the answered clients come back within the "
+                      f"{n['window_ns'] / ms:.3g} ms window: none of the {n['coming']:.0f} coming would")
+            self.history.append(DispatchChoice(wait, reason, dict(n)))
+            log.info("dispatch -> %s: %s", what, reason)
+            return
         reason = (f"now {n['rows_now']:.0f} rows of <= {n['longest_now']:.0f} tokens, then "
                   f"{n['rows_next']:.0f} behind them, cost {n['ns_per_row_now'] / ms:.3g} ms a row; waiting, "
                   f"{n['rows_wait']:.0f} rows of <= {n['longest_wait']:.0f} would cost "
@@ -277,6 +325,11 @@ class DispatchPolicy:
                   f"{n['fixed_ns'] / ms:.3g} ms)")  # fmt: skip
         self.history.append(DispatchChoice(wait, reason, dict(n)))
         log.info("dispatch -> %s: %s", what, reason)
+
+
+def _share(outcomes: np.ndarray, window_ns: float) -> float:
+    """The share of answered clients back within ``window_ns`` (1.0 before any was answered)."""
+    return float(np.mean(outcomes <= window_ns)) if len(outcomes) else 1.0
 
 
 def _others(n: int, taken: np.ndarray) -> np.ndarray:

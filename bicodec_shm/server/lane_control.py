@@ -18,8 +18,8 @@ from .lane_tuner import BatchMeter, Choice, LaneTuner, LaneTuning
 from .lanes import lane_threads
 
 # Lanes on CPU: the server measures which count serves best (lane_tuner.py) among these, up to
-# the cores it has, starting from DEFAULT_CPU_LANES. More than 4 is left to --lanes: each lane
-# holds a batch's activations of its own.
+# the cores it has, starting from the one the load predicts, read while DEFAULT_CPU_LANES run.
+# More than 4 is left to --lanes: each lane holds a batch's activations of its own.
 CPU_LANE_CANDIDATES = (1, 2, 4)
 DEFAULT_CPU_LANES = 2
 
@@ -45,7 +45,7 @@ class LaneControl:
         self.tuner: LaneTuner | None = None
         if lanes is None and tunable and len(candidates) > 1:
             lanes = min(DEFAULT_CPU_LANES, candidates[-1])
-            self.tuner = LaneTuner(candidates, lanes, tuning)
+            self.tuner = LaneTuner(candidates, lanes, tuning, predict=True)
         self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
         self.max_lanes = candidates[-1] if self.tuner else self.lanes  # lane threads started
         self._on_change = on_change
@@ -68,6 +68,11 @@ class LaneControl:
                 self._turns.wait(poll)
             return (None if stop.is_set() else self.threads_per_lane), parked
 
+    def wake(self) -> None:
+        """Wake every parked lane to look at its stop event again (the server stops)."""
+        with self._turns:  # a reentrant lock: safe from a signal handler of a lane's thread
+            self._turns.notify_all()
+
     def begin(self, batch: Batch) -> None:
         if self.tuner is not None:
             self._meter.begin(id(batch))
@@ -82,9 +87,12 @@ class LaneControl:
                                  rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]))
         # Only a batch decoded with the thread count of the arrangement being measured (right
         # after a switch, a lane being parked may still finish one with its old count), once
-        # the batching policy is measured too (batch_costs.py): arrangements compare alike.
+        # the batching policy is measured too (batch_costs.py): arrangements compare alike. The
+        # load is read at once: how many requests decode together needs no settled policy.
         threads = lane_threads()
-        if sample is None or threads != max(1, self.cores // self.tuner.lanes) or not settled(threads):
+        if sample is None or threads != max(1, self.cores // self.tuner.lanes):
+            return None
+        if not self.tuner.reading_load and not settled(threads):
             return None
         with self._tuner_lock:
             choice = self.tuner.observe(sample)

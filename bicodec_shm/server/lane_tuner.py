@@ -30,11 +30,25 @@ makes decides. The batches are the live traffic's, so the score also carries eve
 that differs between the arrangements: a wide decode's thread scaling, narrow decodes contending
 for memory bandwidth, and the smaller batches that K lanes form from the same requests. It needs
 no request to finish its whole queueing (an end-to-end latency would), so a window closes after
-a few batches: on a full-size CPU decode of seconds a batch, a first choice comes within about a
+a few batches: on a full-size CPU decode of seconds a batch, an exploration chooses within about a
 minute of traffic.
 
 Phases::
 
+    START     (only with ``predict``: the server's) ``start`` runs while the load is read
+              from the first ``min_batches`` batches: the requests decoding at once
+              during each, ``rows x decode time / share`` (a batch alone: its rows; two batches
+              of 4 side by side: 8 each). One request at a time (every reading 1) predicts one
+              lane with every core; a reading past 1.5 (another request decoding beside, or a
+              batch of several) predicts the most lanes, at once. The prediction holds for
+              ``first_hold_seconds`` before the first exploration (from it), so that a fresh
+              server does not pay for measuring the arrangements the rule already rules out.
+              The rule is the light and heavy cases below, which hold on any device: with one
+              request at a time, narrow lanes only take turns, each slower; with more, every
+              lane has a batch and the work runs in parallel. During the first hold, a
+              prediction of one lane gives way to the most lanes at the first batch that shows
+              load (clients that start after the first); not the other way: one lone batch
+              among the most lanes' is no sign that the load has gone.
     EXPLORE   candidates are measured in the order  c0 c1 .. ck ck .. c1 c0  (each twice,
               mirrored, so that a drift in the traffic over the phase weighs on every
               candidate alike); a window lasts until at least ``min_batches`` batches planned
@@ -79,6 +93,8 @@ class LaneTuning:
         decisive: after one window each, a candidate this much lower than every other is
             chosen without the mirror pass.
         hold_seconds: how long a choice holds before the next exploration.
+        first_hold_seconds: how long the arrangement predicted from the load at the start holds
+            before the first exploration (a tuner built with ``predict``).
     """
 
     min_batches: int = 4
@@ -86,9 +102,10 @@ class LaneTuning:
     margin: float = 0.05
     decisive: float = 0.2
     hold_seconds: float = 300.0
+    first_hold_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.min_batches < 1 or self.min_seconds < 0 or self.hold_seconds < 0:
+        if min(self.min_seconds, self.hold_seconds, self.first_hold_seconds) < 0 or self.min_batches < 1:
             raise ValueError(f"bad lane tuning {self}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"lane tuning margin must be in [0, 1), got {self.margin}")
@@ -195,6 +212,18 @@ class BatchMeter:
         return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, share)
 
 
+# More than this many requests decoding at once during a batch (a mean over its decode) is load:
+# 1.0 is one request alone; another lane's batch beside it for half its decode makes 1.5.
+LOADED = 1.5
+
+
+def _decoding_at_once(sample: BatchSample) -> float:
+    """The requests decoding at once during ``sample``, on average: its rows x its decode time /
+    its share of the busy time (alone: its rows; beside one other batch throughout: twice)."""
+    share = sample.share_ns
+    return sample.rows * sample.decode_ns / share if share > 0 else float(sample.rows)
+
+
 @dataclass
 class Window:
     """One arrangement's measurement: ``lanes`` lanes from ``start_ns`` on, and the samples of
@@ -234,13 +263,16 @@ class LaneTuner:
 
     Args:
         candidates: the lane counts to try, e.g. ``[1, 2]`` (each splits the cores evenly).
-        start: the arrangement running now (it is measured first).
+        start: the arrangement running now (it is measured first; with ``predict``, the one
+            that runs while the load is read).
         tuning: the knobs (:class:`LaneTuning`).
         clock: monotonic nanoseconds (tests step it by hand).
+        predict: read the load first and hold the arrangement it predicts (START, module
+            docstring); else explore from ``start`` at once.
     """
 
     def __init__(self, candidates: Sequence[int], start: int, tuning: LaneTuning | None = None,
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:  # fmt: skip
+                 clock: Callable[[], int] = time.monotonic_ns, *, predict: bool = False) -> None:  # fmt: skip
         cands = sorted(set(int(c) for c in candidates))
         if len(cands) < 2 or cands[0] < 1:
             raise ValueError(f"a lane tuner needs two or more lane counts >= 1, got {candidates}")
@@ -251,16 +283,29 @@ class LaneTuner:
         self._clock = clock
         self.lanes = start  # the arrangement running now
         self.history: list[Choice] = []  # every decision, for logs and tests
-        self._begin_exploring(incumbent=start, reason="measuring on the live traffic")
+        self._window: Window | None = None
+        self._hold_ns = self.tuning.hold_seconds * 1e9  # the hold running now (HOLD)
+        # START: the requests decoding at once during each batch read so far (None: read).
+        self._load: list[float] | None = None
+        self._predicted = False
+        if predict:
+            self._load = []
+            self._load_since = self._clock()
+            log.info("lanes: reading the load at %d lanes", self.lanes,
+                     extra={"lanes": self.lanes, "exploring": True})  # fmt: skip
+        else:
+            self._begin_exploring(incumbent=start, reason="measuring on the live traffic")
 
     # -- the server's side ------------------------------------------------------------------
 
     def observe(self, sample: BatchSample) -> Choice | None:
         """Count one decoded batch; returns a new :class:`Choice` when the running arrangement
         should change."""
+        if self._load is not None:
+            return self._read_load(sample)
         if self._window is None:  # holding
-            if self._clock() - self._held_since < self.tuning.hold_seconds * 1e9:
-                return None
+            if self._clock() - self._held_since < self._hold_ns:
+                return self._reread_load(sample) if self._predicted else None
             self._begin_exploring(incumbent=self.lanes, reason="re-exploring after the hold")
             return self._switch_to_window(reason="re-exploring after the hold")
         w = self._window
@@ -279,14 +324,58 @@ class LaneTuner:
 
     @property
     def exploring(self) -> bool:
-        """True while candidates are being measured (EXPLORE); False while a choice holds."""
-        return self._window is not None
+        """True while candidates are being measured (EXPLORE) or the load is read (START);
+        False while a choice holds."""
+        return self._window is not None or self._load is not None
+
+    @property
+    def reading_load(self) -> bool:
+        """True while the load is read (START): every batch counts, the batching policy measured
+        or not (how many requests decode at once does not depend on it)."""
+        return self._load is not None
+
+    def _read_load(self, sample: BatchSample) -> Choice | None:
+        """START: read the requests decoding at once during ``sample``; predict from them."""
+        if sample.planned_ns < self._load_since:
+            return None
+        self._load.append(_decoding_at_once(sample))
+        peak = max(self._load)
+        loaded = peak > LOADED
+        if not loaded and len(self._load) < self.tuning.min_batches:
+            return None
+        lanes = self.candidates[-1] if loaded else self.candidates[0]
+        self._load = None
+        self._predicted = True
+        self._incumbent = lanes
+        self._held_since = self._clock()
+        self._hold_ns = self.tuning.first_hold_seconds * 1e9
+        changed = lanes != self.lanes
+        self.lanes = lanes
+        choice = self._predict(lanes, peak)  # logged whether or not it changes what runs
+        return choice if changed else None
+
+    def _reread_load(self, sample: BatchSample) -> Choice | None:
+        """The first hold of a prediction of one lane: load that comes later (clients that start
+        after the first) predicts the most lanes at once, not a minute later. (The other way,
+        a lone batch among the most lanes' is no sign that the load is gone.)"""
+        if self.lanes != self.candidates[0] or sample.planned_ns < self._held_since:
+            return None
+        at_once = _decoding_at_once(sample)
+        if at_once <= LOADED:
+            return None
+        self.lanes = self._incumbent = self.candidates[-1]
+        return self._predict(self.lanes, at_once)
+
+    def _predict(self, lanes: int, at_once: float) -> Choice:
+        reason = f"predicted from the load: up to {at_once:.1f} requests decoding at once"
+        return self._record(Choice(lanes, reason))
 
     def _begin_exploring(self, incumbent: int, reason: str) -> None:
         others = [c for c in self.candidates if c != incumbent]
         order = [incumbent, *others]
         self._plan = order + order[::-1]  # mirrored: c0 c1 .. ck ck .. c1 c0
         self._incumbent = incumbent
+        self._predicted = False  # the hold is the start's prediction's (``_reread_load``)
         self._scores: dict[int, list[float]] = {}
         self._window: Window | None = Window(self._plan[0], self._clock())
         # The first window runs the incumbent, so no choice is logged until the next one: say
@@ -310,6 +399,7 @@ class LaneTuner:
             best = incumbent  # not clearly better: keep what ran before
         self._window = None
         self._held_since = self._clock()
+        self._hold_ns = self.tuning.hold_seconds * 1e9
         runner_up = min((m for c, m in means.items() if c != best), default=means[best])
         ratio = runner_up / means[best] if means[best] > 0 else float("inf")
         reason = f"chosen after exploring: the next best costs {ratio:.2f}x per token"

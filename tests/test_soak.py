@@ -69,7 +69,9 @@ def test_soak_help_shows_every_default_and_the_defaults_are_the_full_fault_mix(c
                      "--kill-server-every": "20.0", "--term-server-every": "15.0",
                      "--fork-every": "4.0", "--close-every": "5.0", "--stop-every": "8.0",
                      "--interrupt-share": "0.03", "--garbage-share": "0.03", "--inject-share": "0.1",
-                     "--cancel-share": "0.05", "--threads": "3", "--async-calls": "2", "--churn": "1",
+                     "--cancel-share": "0.05", "--threads": "3", "--async-calls": "12", "--churn": "1",
+                     "--handle-slots": "3", "--small-server-share": "0.5", "--small-slots": "16",
+                     "--oversize-share": "0.05",
                      "--bare-fork-every": "0.05", "--think-ms": "5.0", "--call-timeout": "60.0",
                      "--stop-grace": "5.0",
                      "--seed": "0", "--slots": "64", "--pool": "48",
@@ -179,8 +181,10 @@ def test_timeouts_undocumented_errors_hangs_and_unlocked_slots_fail_the_soak(tmp
     assert (result.forks, result.hung_forks, result.unlocked_owned, result.lost) == (1, 1, 1, 1)
     assert not result.ok
     clean = tmp_path / "client-1.log"
-    clean.write_text("S 1\nO 1\nS 2\nE 2 ClientClosedError\nF\n")
-    assert soak._tally([(str(clean), False)], args, 0, 0, 0, 0, 0, 0, 0, 1.0).ok
+    clean.write_text("S 1\nO 1\nS 2\nE 2 ClientClosedError\nF\nS 3\nR 3 ValueError\n")
+    tallied = soak._tally([(str(clean), False)], args, 0, 0, 0, 0, 0, 0, 0, 1.0)
+    # A request longer than a small server holds, refused with the documented error: answered.
+    assert tallied.ok and (tallied.refused_too_long, tallied.lost) == (1, 0)
 
 
 def test_no_exception_is_injected_into_a_finalizer_that_the_collector_runs_during_a_call():

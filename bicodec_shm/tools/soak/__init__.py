@@ -28,7 +28,16 @@ Meanwhile, at random:
   requests carries a garbage submit time (``--garbage-share``: 0 or the largest u64, as a buggy
   or hostile client would);
 - with ``--group``, the server is a group of two members: server kills hit one member (the
-  supervisor restarts it), rolling restarts replace the whole group.
+  supervisor restarts it), rolling restarts replace the whole group;
+- a share of the servers started (``--small-server-share``) has smaller limits than the others:
+  half the ``--max-tokens`` and ``--small-slots`` slots, fewer than the clients' handles want in
+  all. Callers size their requests to fit the server they are attached to (its ``max_tokens``
+  from ``get_stats()``), but a share (``--oversize-share``) sends any request of the pool: one
+  longer than the server holds must get the documented ``ValueError`` naming the limit
+  (*refused as too long*), never a loss.
+
+Each client's shared handle has ``--handle-slots`` slots for its ``--threads`` caller threads
+and ``--async-calls`` asyncio calls: many more requests than slots, waiting in line for them.
 
 Each client appends one line per event to its own log, line-buffered, so that a killed client
 loses nothing already said (``client_main`` lists the tags). At the end:
@@ -104,6 +113,10 @@ DEFAULT_CANCEL_SHARE = 0.05
 DEFAULT_BARE_FORK_EVERY = 0.05
 DEFAULT_CALL_TIMEOUT = 60.0
 DEFAULT_THINK_MS = 5.0
+DEFAULT_ASYNC_CALLS = 12  # with 3 threads, 15 requests at once on a handle of 3 slots
+DEFAULT_SMALL_SERVER_SHARE = 0.5
+DEFAULT_SMALL_SLOTS = 16  # fewer than 8 clients' handles of 3 slots want
+DEFAULT_OVERSIZE_SHARE = 0.05
 HELP_FORMATTER = argparse.ArgumentDefaultsHelpFormatter  # every option's default in --help
 
 
@@ -134,8 +147,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of asyncio calls cancelled at a random moment")
     p.add_argument("--threads", type=int, default=3,
                    help="synchronous caller threads per client, sharing its handle")
-    p.add_argument("--async-calls", type=int, default=2,
+    p.add_argument("--async-calls", type=int, default=DEFAULT_ASYNC_CALLS,
                    help="concurrent asyncio calls per client, on the same handle")
+    p.add_argument("--handle-slots", type=int, default=3,
+                   help="slots of each client's shared handle (its callers wait in line for them)")
+    p.add_argument("--small-server-share", type=float, default=DEFAULT_SMALL_SERVER_SHARE,
+                   help="share of servers started with half the --max-len as --max-tokens and "
+                        "--small-slots slots (not with --group)")  # fmt: skip
+    p.add_argument("--small-slots", type=int, default=DEFAULT_SMALL_SLOTS,
+                   help="the --slots of a small server")
+    p.add_argument("--oversize-share", type=float, default=DEFAULT_OVERSIZE_SHARE,
+                   help="share of requests drawn from the whole pool, not sized to fit the server")
     p.add_argument("--churn", type=int, default=1,
                    help="threads per client that attach a handle of their own, decode once and close it")
     p.add_argument("--bare-fork-every", type=float, default=DEFAULT_BARE_FORK_EVERY,

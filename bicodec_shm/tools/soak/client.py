@@ -61,8 +61,9 @@ def client_main(argv: list[str]) -> int:
     calls in flight and opens a new one.
 
     Log lines: ``S i`` sent; then ``O i`` correct, ``W i`` wrong audio, ``E i Kind`` a
-    documented error, ``T i`` a timeout (lost), ``U i Kind`` an undocumented exception; ``F``
-    a fork, ``H what`` something hung, ``X slot`` a slot the handle owns without its lock.
+    documented error, ``R i`` refused as longer than the server holds (documented), ``T i`` a
+    timeout (lost), ``U i Kind`` an undocumented exception; ``F`` a fork, ``H what`` something
+    hung, ``X slot`` a slot the handle owns without its lock.
     """
     import asyncio
     import faulthandler
@@ -100,7 +101,7 @@ def client_main(argv: list[str]) -> int:
     timeout = opt["call_timeout"]
 
     def connect() -> DecoderClient:
-        return DecoderClient(name, slots=3, timeout=timeout, connect_timeout=timeout,
+        return DecoderClient(name, slots=opt["handle_slots"], timeout=timeout, connect_timeout=timeout,
                              stop_grace=opt["stop_grace"])  # fmt: skip
 
     handle = [connect()]  # replaced on close
@@ -115,13 +116,27 @@ def client_main(argv: list[str]) -> int:
         return pcm.dtype == np.float32 and float(np.abs(pcm - ref).max()) <= 1e-4
 
     def failed(i: int, exc: BaseException, how: str) -> None:
-        tag = _outcome(exc)
+        # A request longer than a small server holds, sent to one: the documented refusal.
+        too_long = isinstance(exc, ValueError) and lengths[i] > opt["small_max_tokens"]
+        tag = "R" if too_long and "more than the" in str(exc) else _outcome(exc)
         out.note(f"{tag} {i}" + ("" if tag == "T" else f" {type(exc).__name__}"))
         if tag != "E" or os.environ.get("BICODEC_SHM_SOAK_DEBUG"):  # the cause, for a failure
             out.detail(f"{how}: {type(exc).__name__}: {exc}")
 
+    lengths = [len(pool[f"sem_{i}"]) for i in range(count)]
+
     def pick(r: random.Random) -> tuple[int, str]:
-        return r.randrange(count), r.choice(["int16", "float32"])
+        """A request of the pool that fits the server the shared handle is attached to (what
+        its header says), or now and then (``oversize_share``) any request of the pool."""
+        dtype = r.choice(["int16", "float32"])
+        if r.random() < opt["oversize_share"]:
+            return r.randrange(count), dtype
+        try:
+            limit = handle[0].get_stats().get("max_tokens") or max(lengths)
+        except Exception:  # closed meanwhile (a close with calls in flight): any will do
+            limit = max(lengths)
+        fits = [i for i in range(count) if lengths[i] <= limit] or list(range(count))
+        return r.choice(fits), dtype
 
     def think(r: random.Random) -> None:
         """A pause between a thread's calls, now and then: the shared handle goes quiescent
@@ -434,7 +449,9 @@ def probe_main(argv: list[str]) -> int:
         pool = {key: z[key] for key in z.files}
     try:
         with DecoderClient(name, timeout=float(timeout), connect_timeout=float(timeout)) as client:
-            for i in range(3):
+            limit = client.get_stats().get("max_tokens") or 10**9  # a small server's, maybe
+            fits = [i for i in range(len(pool) // 3) if len(pool[f"sem_{i}"]) <= limit]
+            for i in fits[:3]:
                 pcm = client.decode(pool[f"sem_{i}"], pool[f"glb_{i}"], dtype="float32")
                 if pcm.shape != pool[f"ref_{i}"].shape or float(np.abs(pcm - pool[f"ref_{i}"]).max()) > 1e-4:
                     print(f"request {i}: wrong audio", flush=True)

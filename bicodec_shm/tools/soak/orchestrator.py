@@ -52,16 +52,22 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     forks_path = os.path.join(work, "forks.txt")
     make_pool(pool, preset=args.preset, seed=args.seed, size=args.pool, max_len=args.max_len)
     rng = random.Random(args.seed)
-    server_cmd = serve_command(name, "--preset", args.preset, "--seed", str(args.seed),
-                               "--slots", str(args.slots), "--threads", "1",
-                               "--max-tokens", str(args.max_len),
-                               *(("--device", "cpu,cpu") if args.group else ()))  # fmt: skip
+
+    def server_cmd() -> list[str]:
+        """The next server's command: now and then one with smaller limits (see the module)."""
+        small = not args.group and rng.random() < args.small_server_share
+        slots, max_tokens = (args.small_slots, small_max_tokens(args)) if small else (args.slots,
+                                                                                         args.max_len)
+        return serve_command(name, "--preset", args.preset, "--seed", str(args.seed),
+                             "--slots", str(slots), "--threads", "1", "--max-tokens", str(max_tokens),
+                             *(("--device", "cpu,cpu") if args.group else ()))  # fmt: skip
+
     members = [f"{name}.{k}" for k in range(2)] if args.group else [name]
     logs: list[tuple[str, bool]] = []  # (log path, was killed)
     clients: dict[int, tuple[subprocess.Popen, str]] = {}
     kills = server_kills = term_restarts = forks = closes = stops = 0
     stopped: tuple[subprocess.Popen | int, float] | None = None  # (process or pid, until)
-    server = _start(server_cmd)
+    server = _start(server_cmd())
     wait_until_serving(name, server)
     t0 = time.monotonic()
 
@@ -132,7 +138,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                         server.wait()
                         server_kills += 1
                         time.sleep(rng.uniform(0.0, 2.0))  # clients must wait, then resubmit
-                        server = _start(server_cmd)
+                        server = _start(server_cmd())
                         wait_until_serving(name, server)
                     next_server_kill = next_time(args.kill_server_every, time.monotonic())
                 if now >= next_term:
@@ -140,7 +146,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                     # A rolling restart: the new server starts at once and waits for the old
                     # one to finish its batch and let go of the name.
                     server.send_signal(signal.SIGTERM)
-                    replacement = _start(server_cmd)
+                    replacement = _start(server_cmd())
                     if server.wait(60) != 0:
                         raise RuntimeError("the server did not stop cleanly on SIGTERM")
                     server = replacement
@@ -256,8 +262,15 @@ def _fresh_client(name: str, pool: str, timeout: float) -> str:
     return (done.stdout + done.stderr).strip()[-500:] or f"exit {done.returncode}"
 
 
+def small_max_tokens(args: argparse.Namespace) -> int:
+    """A small server's --max-tokens: half the longest request of the pool."""
+    return max(1, args.max_len // 2)
+
+
 def _client_options(args: argparse.Namespace) -> dict:
-    return {"interrupt_share": args.interrupt_share, "garbage_share": args.garbage_share,
+    return {"handle_slots": args.handle_slots, "oversize_share": args.oversize_share,
+            "small_max_tokens": small_max_tokens(args) if args.small_server_share else args.max_len,
+            "interrupt_share": args.interrupt_share, "garbage_share": args.garbage_share,
             "stop_grace": args.stop_grace, "inject_share": args.inject_share,
             "cancel_share": args.cancel_share, "threads": args.threads,
             "async_calls": args.async_calls, "churn": args.churn,

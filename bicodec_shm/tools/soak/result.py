@@ -31,6 +31,7 @@ class SoakResult:
     undocumented_errors: int = 0  # an exception outside the documented tree reached a caller
     undocumented_by_kind: dict = field(default_factory=dict)
     hung_threads: int = 0
+    refused_too_long: int = 0  # ValueError: longer than the (small) server it went to holds
     hung_forks: int = 0
     unlocked_owned: int = 0  # times a handle owned a slot without holding its lock
     fresh_client_failures: int = 0  # a fresh client in another process got no correct answer
@@ -51,7 +52,7 @@ class SoakResult:
 def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, left,
            seconds) -> SoakResult:  # fmt: skip
     """Count the clients' log lines (``client_main`` names each tag)."""
-    sent = correct = failed = killed_in_flight = lost = wrong = timed_out = undocumented = 0
+    sent = correct = failed = killed_in_flight = lost = wrong = timed_out = undocumented = refused = 0
     made_forks = hung_threads = hung_forks = unlocked = 0
     kinds: dict[str, int] = {}
     strange: dict[str, int] = {}
@@ -78,7 +79,7 @@ def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, 
             if tag == "X":
                 unlocked += 1
                 continue
-            if tag not in "OWETU" or not line:
+            if tag not in "OWETUR" or not line:
                 continue  # a line cut short by a SIGKILL
             pending -= 1
             if tag == "O":
@@ -87,6 +88,8 @@ def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, 
                 wrong += 1
             elif tag == "T":
                 timed_out += 1
+            elif tag == "R":
+                refused += 1
             elif tag == "E":
                 failed += 1
                 kind = line.split()[-1]
@@ -107,7 +110,7 @@ def _tally(logs, args, kills, server_kills, term_restarts, forks, hung, leaked, 
         killed_in_flight=killed_in_flight, lost=lost, wrong_audio=wrong, leaked_slots=leaked,
         left_in_dev_shm=left, errors_by_kind=kinds, forks=made_forks, timed_out=timed_out,
         undocumented_errors=undocumented, undocumented_by_kind=strange, hung_threads=hung_threads,
-        hung_forks=hung_forks, unlocked_owned=unlocked,
+        hung_forks=hung_forks, unlocked_owned=unlocked, refused_too_long=refused,
     )  # fmt: skip
 
 
@@ -128,6 +131,7 @@ def format_result(r: SoakResult) -> str:
         ("requests sent", r.sent),
         ("completed correctly", r.correct),
         ("failed with a clear error", f"{r.failed_clearly} {r.errors_by_kind or ''}".strip()),
+        ("refused as too long for the server", r.refused_too_long),
         ("killed in flight", r.killed_in_flight),
         ("lost (never answered)", r.lost),
         ("timed out (lost or wedged)", r.timed_out),

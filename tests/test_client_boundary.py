@@ -101,6 +101,25 @@ def test_a_group_handle_sends_a_group_restarted_with_a_larger_max_tokens_what_it
         group.stop()
 
 
+def test_a_group_handle_s_max_tokens_is_its_least_members_and_a_stream_over_it_fits_every_member(group_name):
+    """Members restarted one at a time may differ: a window must fit whichever is picked."""
+    from bicodec_shm.client.streaming import DecodeStream
+
+    group = _Group(group_name, slots=2, max_tokens=200)
+    semantic, glb = seeded_request(25, 400)
+    try:
+        with DecoderClient(group_name, slots=2, timeout=30) as client:
+            assert client.max_tokens == 200
+            _stop(group.servers[1])
+            group.servers[1] = _serve(member_names(group_name, 2)[1], slots=2, max_tokens=150)
+            assert client.max_tokens == 150
+            stream = DecodeStream(client, glb, preset="exact", dtype="float32")
+            audio = np.frombuffer(stream.push(semantic) + stream.finish(), "<f4")
+    finally:
+        group.stop()
+    np.testing.assert_allclose(audio, _lone((semantic, glb)), atol=1e-5, rtol=0)
+
+
 def test_a_request_no_server_could_take_is_refused_before_anything_is_written(shm_name):
     running = _serve(shm_name, slots=2, max_tokens=100)
     try:
@@ -373,3 +392,4 @@ def test_calls_on_one_group_handle_while_the_group_is_replaced_all_get_their_aud
         group.stop()
     assert not failures, failures
     assert done[0] >= 24
+

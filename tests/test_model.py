@@ -389,3 +389,42 @@ def test_full_size_checkpoint_has_319_decode_path_tensors(full: BiCodecDecoder, 
     assert written == len(keys) == len(decode_path_tensors(PRESETS["spark-tts-0.5b"])) == 319
     assert numel == 96_287_714
     assert sum(k.endswith(".weight_g") for k in keys) == 31
+
+
+# --- receptive field ------------------------------------------------------------------------------
+
+
+def nan_reach(model: BiCodecDecoder, frames: int, poisoned: int) -> tuple[int, int]:
+    """The first and last token whose audio turns NaN when token ``poisoned``'s codebook entry is
+    NaN: the tokens whose audio depends on it (NaN spreads through a conv whatever its weights)."""
+    gen = torch.Generator().manual_seed(5)
+    semantic = torch.randint(1, 8192, (1, frames), generator=gen)
+    semantic[0, poisoned] = 0
+    glob = torch.randint(0, 4096, (1, 32), generator=gen)
+    codebook = model.quantizer.codebook.weight
+    saved = codebook.detach().clone()
+    with torch.no_grad():
+        codebook[0] = float("nan")
+        try:
+            audio = model.detokenize(semantic, glob)[0].reshape(frames, HOP)
+        finally:
+            codebook.copy_(saved)
+    touched = torch.isnan(audio).any(dim=1).nonzero().flatten()
+    return int(touched[0]), int(touched[-1])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "spark-tts-0.5b"])
+def test_receptive_field_is_derived_from_the_config_and_is_exactly_what_a_token_reaches(preset, request):
+    """A token's audio depends on exactly ``receptive_field`` tokens to each side: a window with
+    that much context sees everything its region depends on, one token less misses one."""
+    model = request.getfixturevalue("tiny" if preset == "tiny" else "full")
+    rf = model.config.receptive_field
+    frames, poisoned = 2 * rf + 41, rf + 20
+    assert nan_reach(model, frames, poisoned) == (poisoned - rf, poisoned + rf)
+
+
+def test_the_clients_receptive_field_is_the_released_models() -> None:
+    from bicodec_shm.client.streaming import RECEPTIVE_FIELD
+
+    assert RECEPTIVE_FIELD == BiCodecConfig.preset("spark-tts-0.5b").receptive_field == 67
+    assert BiCodecConfig.preset("tiny").receptive_field == 37 < RECEPTIVE_FIELD

@@ -441,3 +441,46 @@ def test_the_documents_skip_only_what_needs_the_network_or_a_gpu():
         chains = [chain for block in bash for chain in commands(block.code)]
         skipped = [(" && ".join(chain), skip_reason(chain)) for chain in chains if skip_reason(chain)]
         assert [why for _, why in skipped] == expected.get(document, []), (document, skipped)
+
+
+def _section(document: str, heading: str) -> str:
+    """The text of ``document`` from ``heading``'s line up to the next heading of its level."""
+    text = (Path(ROOT) / document).read_text(encoding="utf-8")
+    start = text.index(f"\n{heading}\n")
+    level = heading.split(" ")[0] + " "
+    end = text.find(f"\n{level}", start + len(heading) + 2)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_a_fresh_machine_reads_the_torch_caveat_before_the_command_and_gets_cpu_torch():
+    """The README's first install takes PyTorch's CPU build (PyPI's torch is a CUDA build), says so
+    before the command, and the test command says how long the suite takes."""
+    readme = [b for b in blocks("README.md") if b.language == "bash"]
+    first = next(b for b in readme if "pip install" in b.code)
+    assert "multi-GB CUDA build" in first.prose and "pytorch.org" in first.prose
+    installs = [c for chain in commands(first.code) for c in chain if c.startswith("pip install torch")]
+    torch_install = installs[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_install
+    tests = next(b for b in readme if "-m pytest" in b.code)
+    assert re.search(r"the full suite takes about [\d–-]+ minutes on a 2-core", tests.prose), tests.prose
+    assert "multi-GB CUDA build" not in tests.prose.split("```")[-1], "the caveat after the command"
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/integrations.md", "examples/spark_tts/README.md"])
+def test_where_the_spark_tts_change_is_shown_it_says_a_worker_still_loads_the_codec(document):
+    """``SparkTTS(model_dir, device)`` builds BiCodec and wav2vec2 in every worker: the change
+    shares the decode, not the memory, and the text beside it says so."""
+    text = (Path(ROOT) / document).read_text(encoding="utf-8")
+    shown = text.index('SharedAudioTokenizer("spark-tts", tokenizer=model.audio_tokenizer)')
+    after = text[shown : shown + 900]
+    assert re.search(r"worker still loads\s+BiCodec and wav2vec2", after), after
+    assert "one BiCodec in GPU memory instead of N" not in text
+
+
+def test_the_readmes_table_explains_lanes_and_the_stand_in():
+    section = _section("README.md", "## Should I use this?")
+    table_end = section.index("\n\n", section.index("| | shared server |"))
+    explained = section[table_end:]
+    assert "stand-in" in section[:table_end] and "lanes" in section[:table_end]
+    assert re.search(r"A \*lane\* is one of the server's decode threads", explained)
+    assert re.search(r"The \*stand-in\* is a decoder that computes nothing", explained)

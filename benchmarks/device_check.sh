@@ -55,6 +55,9 @@
 #   bench_dac    python -m bicodec_shm bench --codec dac-44khz --device cuda:0 (Dia's and
 #                Parler-TTS's codec, full size): N = 4, 16 against a decoder per process
 #                -> bench_dac.json
+#   bench_qwen3  python -m bicodec_shm bench --codec qwen3-tts-12hz --device cuda:0 (Qwen3-TTS's
+#                12 Hz decoder, full size): N = 4, 16 against a decoder per process
+#                -> bench_qwen3.json
 #   summary.txt  each step's exit code and seconds, then the numbers the targets ask for, the
 #                fitted costs, and the real decoder's throughput next to the fitted stand-in's
 #
@@ -82,7 +85,7 @@ SITE="${SITE:-/tmp/site}"
 DTYPES="${DTYPES:-float32 bfloat16 float16}"
 DEADLINE_S="${DEADLINE_S:-420}"
 ALL_STEPS="env gpu_tests bench_model_float32 bench_model_bfloat16 fit_costs bench_throughput bench_standin"
-ALL_STEPS+=" bench_snac bench_dac bench_model_float16"
+ALL_STEPS+=" bench_snac bench_dac bench_qwen3 bench_model_float16"
 CPU_STEPS="fit_costs bench_standin"  # they need no GPU
 STEPS_GIVEN="${STEPS:-}"
 STEPS="${STEPS:-$ALL_STEPS}"
@@ -293,6 +296,11 @@ run_step bench_snac 40 "$PY" benchmarks/bench_snac_model.py --variant snac-24khz
 run_step bench_dac 75 "$PY" -m bicodec_shm bench --codec dac-44khz --device cuda:0 --n 4,16 --window 5 \
     --repeats 1 --timeout 60 --per-process-max-n 16 --memory-gib 120 --systems shm,limit,per-process \
     --no-plot --no-progress --json "$SCRATCH/bench_dac.json"
+# Qwen3-TTS's 12 Hz decoder (Code2Wav) the same way: the shared server against a decoder per
+# process, where concurrent requests' time to first audio grows without cross-request batching.
+run_step bench_qwen3 75 "$PY" -m bicodec_shm bench --codec qwen3-tts-12hz --device cuda:0 --n 4,16 \
+    --window 5 --repeats 1 --timeout 60 --per-process-max-n 16 --memory-gib 120 \
+    --systems shm,limit,per-process --no-plot --no-progress --json "$SCRATCH/bench_qwen3.json"
 case " $DTYPES " in *" float16 "*) [ "$first" = float16 ] || bench_model float16 45 ;; esac
 
 # --- summary ------------------------------------------------------------------------------------
@@ -382,6 +390,15 @@ try:
               f"p50 {'-' if p50 is None else f'{p50:.0f} ms'}, peak RSS {r['peak_rss_mib']:.0f} MiB")
 except (OSError, ValueError, KeyError) as exc:
     print(f"\nno bench_dac.json: {exc}")
+try:
+    qwen3 = json.load(open(os.path.join(out, "bench_qwen3.json")))
+    print("\n== bench_qwen3 (qwen3-tts-12hz, full size): see bench_qwen3.log for the table ==")
+    for r in qwen3.get("results", []):
+        p50 = r.get("latency_p50_ms")
+        print(f"  N={r['n_clients']} {r['system']}: {r['audio_s_per_s']:.1f} audio s/s, "
+              f"p50 {'-' if p50 is None else f'{p50:.0f} ms'}, peak RSS {r['peak_rss_mib']:.0f} MiB")
+except (OSError, ValueError, KeyError) as exc:
+    print(f"\nno bench_qwen3.json: {exc}")
 EOF
 say "done in $((SECONDS - START))s; summary.txt and device_check.tar.gz in $OUT_DIR"
 finish 0

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 STEPS = ["env", "gpu_tests", "bench_model_float32", "bench_model_bfloat16", "fit_costs", "bench_throughput",
-         "bench_standin", "bench_snac", "bench_dac", "bench_model_float16"]  # fmt: skip
+         "bench_standin", "bench_snac", "bench_dac", "bench_qwen3", "bench_model_float16"]  # fmt: skip
 
 no_gpu = pytest.mark.skipif(
     torch.cuda.is_available() or shutil.which("nvidia-smi") is not None,
@@ -175,6 +175,9 @@ def test_dry_run_runs_every_step_with_valid_flags(tmp_path) -> None:
     dac = commands["bench_dac"]
     args = _parser().parse_args(dac[dac.index("bicodec_shm") + 1 :])
     assert (args.codec, args.device, tuple(args.n)) == ("dac-44khz", "cuda:0", (4, 16))
+    qwen3 = commands["bench_qwen3"]
+    args = _parser().parse_args(qwen3[qwen3.index("bicodec_shm") + 1 :])
+    assert (args.codec, args.device, tuple(args.n)) == ("qwen3-tts-12hz", "cuda:0", (4, 16))
     tests = commands["gpu_tests"]
     assert tests[tests.index("-m") + 1 :][:4] == ["pytest", "-m", "gpu", "tests"]
     assert f"--junitxml={scratch}/gpu_tests.xml" in tests

@@ -1,14 +1,14 @@
-"""The load both drop-in examples put on a decoder: N worker processes, one stream at a time each.
+"""The load the drop-in examples put on a decoder: N worker processes, one stream at a time each.
 
-Each worker runs a TTS's own serving loop (``examples/orpheus_tts``, ``examples/spark_tts``) with
-a stand-in language model, decoding either through one shared ``bicodec-shm serve`` process
-(``shared``) or with a decoder of its own in the process (``own``, as the TTS does by itself).
-All workers load first, then start together; each records, per utterance, its time to first
-audio (from the request to the first PCM in hand), its audio and its wall time, and how many
-of its chunks arrived after the audio before them had finished playing (``late``: a player
-started at the first chunk would have stalled).
+Each worker runs a TTS's own serving loop (``examples/orpheus_tts``, ``examples/spark_tts``,
+``examples/qwen3_tts``) with a stand-in language model, decoding either through one shared
+``bicodec-shm serve`` process (``shared``) or with a decoder of its own in the process (``own``,
+as the TTS does by itself). All workers load first, then start together; each records, per
+utterance, its time to first audio (from the request to the first PCM in hand), its audio and
+its wall time, and how many of its chunks arrived after the audio before them had finished
+playing (``late``: a player started at the first chunk would have stalled).
 
-Used as a library by the two examples' ``run.py``; not part of the installed package.
+Used as a library by the examples' ``run.py``; not part of the installed package.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def summary(mode: str, workers: int, records: list[Record], wall: float,
         "streams": workers,
         "utterances": len(records),
         "ttfa_p50_ms": 1000 * ttfa[len(ttfa) // 2],
+        "ttfa_p95_ms": 1000 * ttfa[min(len(ttfa) - 1, (95 * len(ttfa)) // 100)],
         "ttfa_max_ms": 1000 * ttfa[-1],
         "audio_s_per_s": audio / wall,
         "late_chunks": sum(r.late for r in records),
@@ -159,13 +160,14 @@ def summary(mode: str, workers: int, records: list[Record], wall: float,
     }
 
 
-HEADER = (f"{'decoder':<8} {'streams':>7} {'utts':>5} {'TTFA p50':>9} {'TTFA max':>9} {'audio s/s':>9} "
+HEADER = (f"{'decoder':<8} {'streams':>7} {'utts':>5} {'TTFA p50':>9} {'TTFA p95':>9} {'TTFA max':>9} "
+          f"{'audio s/s':>9} "
           f"{'late chunks':>12}")  # fmt: skip
 
 
 def row_line(r: dict[str, Any]) -> str:
     return (f"{r['mode']:<8} {r['streams']:>7} {r['utterances']:>5} {r['ttfa_p50_ms']:>7.0f}ms "
-            f"{r['ttfa_max_ms']:>7.0f}ms {r['audio_s_per_s']:>9.2f} "
+            f"{r['ttfa_p95_ms']:>7.0f}ms {r['ttfa_max_ms']:>7.0f}ms {r['audio_s_per_s']:>9.2f} "
             f"{r['late_chunks']:>5}/{r['chunks']:<6}")  # fmt: skip
 
 
@@ -202,13 +204,14 @@ def main(args: Any, target: Callable[..., list[Record]], server_options: list[st
     return 0
 
 
-def add_arguments(parser: Any, *, rate: float, default_preset: str) -> None:
+def add_arguments(parser: Any, *, rate: float, default_preset: str, unit: str = "tokens") -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4],
                         help="worker processes (concurrent streams), one run for each count")  # fmt: skip
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="own: a decoder in every worker; shared: one server for all")  # fmt: skip
     parser.add_argument("--utterances", type=int, default=3, help="utterances per worker, one after another")
-    parser.add_argument("--rate", type=float, default=rate, help="stand-in language model, tokens per second")
+    parser.add_argument("--rate", type=float, default=rate,
+                        help=f"stand-in language model, {unit} per second")  # fmt: skip
     parser.add_argument("--preset", default=default_preset, choices=["tiny", "full"],
                         help="codec size (random weights: the audio is noise)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="torch device of every decoder (e.g. cuda:0)")

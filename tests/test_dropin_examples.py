@@ -1,6 +1,6 @@
-"""examples/orpheus_tts and examples/spark_tts, briefly: 2 worker processes per mode, tiny codecs,
-a fast stand-in language model. Each example starts its own server process and stops it; the
-run must finish, return all the audio, and leave nothing in /dev/shm."""
+"""examples/orpheus_tts, examples/spark_tts and examples/qwen3_tts, briefly: 2 worker processes
+per mode, tiny codecs, a fast stand-in language model. Each example starts its own server process
+and stops it; the run must finish, return all the audio, and leave nothing in /dev/shm."""
 
 from __future__ import annotations
 
@@ -42,3 +42,10 @@ def test_spark_example_runs_both_decoders_and_returns_every_sample(tmp_path):
     for r in rows:
         assert r["audio_s"] == pytest.approx(4 * 30 * 320 / 16000)
         assert r["chunks"] == 4  # Spark-TTS returns each utterance whole
+
+
+def test_qwen3_example_runs_both_decoders_and_returns_every_frame(tmp_path):
+    rows = run_example("examples.qwen3_tts.run", tmp_path, "--frames", "8")
+    for r in rows:
+        assert r["audio_s"] == pytest.approx(4 * 8 * 1920 / 24000)
+        assert r["ttfa_p50_ms"] <= r["ttfa_p95_ms"] <= r["ttfa_max_ms"]

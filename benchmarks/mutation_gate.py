@@ -531,8 +531,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("long-row-windows-one-after-another", "a long row's windows are sent one at a time: "
            "they never batch", (("bicodec_shm/client/long_requests.py",
                                  "for i in range(1, len(calls))]", "for i in range(0)]"),
-                                ("bicodec_shm/client/long_requests.py", "        run(0)\n",
-                                 "        for i in range(len(calls)):\n            run(i)\n")),
+                                ("bicodec_shm/client/long_requests.py", "            run(0)\n",
+                                 "            for i in range(len(calls)):\n                run(i)\n")),
            ("tests/test_spark_tts.py", "-k", "3000"), timeout=120.0),
     m("long-row-keeps-windows-a-restarted-server-refuses", "a long row planned for a server "
       "restarted with a smaller --max-tokens is refused for good",

@@ -25,11 +25,19 @@ GATE = _gate()
 
 
 @pytest.mark.parametrize("mutant", GATE.MUTANTS, ids=lambda mu: mu.name)
-def test_every_mutant_applies_exactly_once_to_the_tree(mutant):
+def test_every_mutant_applies_exactly_once_to_the_tree_and_still_compiles(mutant):
+    """A mutant's bug must be one the tests can run into: a mutated module that no longer
+    compiles (an old text matched inside a more indented line, say) is an "error" row, not a
+    planted bug."""
+    texts: dict[str, str] = {}
     for file, old, new in mutant.edits:
-        text = (ROOT / file).read_text()
+        text = texts.get(file, (ROOT / file).read_text())
         assert text.count(old) == 1, f"{mutant.name}: {file} holds its old text {text.count(old)} times"
         assert old != new
+        texts[file] = text.replace(old, new)
+    for file, text in texts.items():
+        if file.endswith(".py"):
+            compile(text, file, "exec")
 
 
 def test_the_check_finds_a_mutant_whose_text_moved(tmp_path):

@@ -186,15 +186,20 @@ class HostDeviceDecoder:
     event is set when its batch is done. ``ready_at_launch``: the rows' audio is in the output
     when ``launch`` returns (the event only keeps time, as the bench's stand-in does); else the
     device thread writes it just before it sets the event, and only then may it be read.
-    Counts ``overlapped``: launches made while an earlier one was still unsynchronized."""
+    Counts ``overlapped``: launches made while an earlier one was still unsynchronized.
+    ``hold_until``: the device starts its first batch only once that many launches were made (or
+    after 10 s), so the launches overlap however busy the machine is, not only when the host
+    outruns a ``ms`` sleep."""
 
     device = "cpu"
     config = None
     device_shaped = True  # one lane, as a GPU is served
     asynchronous = True
 
-    def __init__(self, ms: float, ready_at_launch: bool) -> None:
+    def __init__(self, ms: float, ready_at_launch: bool, hold_until: int = 0) -> None:
         self.ms, self.ready_at_launch = ms, ready_at_launch
+        self._launched = threading.Semaphore(0)
+        self._hold_until = hold_until
         self.overlapped = self.launches = 0
         self._pending: list[_HostEvent] = []
         self._work: queue.Queue = queue.Queue()
@@ -213,6 +218,7 @@ class HostDeviceDecoder:
         if self.ready_at_launch:
             self._write(out, rows)
         self._work.put((out, [] if self.ready_at_launch else rows, event))
+        self._launched.release()
         return out, event
 
     def detokenize(self, semantic_ids, global_ids, lengths=None):
@@ -229,6 +235,9 @@ class HostDeviceDecoder:
             out[i, : len(audio)] = torch.from_numpy(audio)
 
     def _device(self) -> None:
+        deadline = time.monotonic() + 10.0
+        for _ in range(self._hold_until):
+            self._launched.acquire(timeout=max(0.0, deadline - time.monotonic()))
         with torch.inference_mode():  # the lane made the outputs in inference mode
             while (item := self._work.get()) is not None:
                 out, rows, event = item
@@ -264,7 +273,7 @@ def test_two_host_launches_in_flight_and_a_retry_each_publish_their_own_rows(rea
     """On a host-output asynchronous decoder, batch k is launched before batch k-1 is read (and
     a retry may run while both are in flight): none may convert into, or read from, a buffer
     that another holds."""
-    decoder = HostDeviceDecoder(ms=5.0, ready_at_launch=ready_at_launch)
+    decoder = HostDeviceDecoder(ms=5.0, ready_at_launch=ready_at_launch, hold_until=3)
     try:
         runner = Runner(decoder, torch.device("cpu"))
         assert runner.asynchronous and not runner.cuda

@@ -35,7 +35,7 @@ def test_many_more_requests_than_slots_on_one_handle_never_time_out_and_none_wai
 ):
     """512 coroutines, or 192 threads, decoding back to back on one 8-slot handle for 6 s, each
     request with a 10 s timeout, 5 ms a batch: no request times out, the mean latency is well
-    under a tenth of the timeout, and the slowest is within a small multiple of the mean. A
+    under a fifth of the timeout, and the slowest is within a small multiple of the mean. A
     handle whose newcomers take a free slot ahead of its waiters, or whose waiters lose their
     place at each slice, starves some of them: their slowest is over 10x the mean, and some
     time out."""
@@ -46,7 +46,9 @@ def test_many_more_requests_than_slots_on_one_handle_never_time_out_and_none_wai
     mean, slowest = statistics.fmean(latencies), max(latencies)
     summary = f"{len(latencies)} requests, mean {mean:.3f} s, slowest {slowest:.3f} s, {timeouts} timeouts"
     assert len(latencies) > 2 * workers, summary  # each worker was served several times
-    assert mean < timeout / 10, summary
+    # The mean is the machine's throughput (512 / ~500 requests a second on 2 busy cores, ~1 s);
+    # under a fifth of the timeout, a request starved to 10x the mean would time out.
+    assert mean < timeout / 5, summary
     assert timeouts == 0, summary
     assert slowest <= 4 * mean, summary
 

@@ -381,24 +381,16 @@ try:
             print(f"  N={n:<3} {system:<48} {rps:>9.1f} req/s  avg batch {batch or 0:.2f}")
 except (OSError, ValueError, KeyError) as exc:
     print(f"\nno bench_standin.json: {exc}")
-try:
-    dac = json.load(open(os.path.join(out, "bench_dac.json")))
-    print("\n== bench_dac (dac-44khz, full size): see bench_dac.log for the table ==")
-    for r in dac.get("results", []):
-        p50 = r.get("latency_p50_ms")
-        print(f"  N={r['n_clients']} {r['system']}: {r['audio_s_per_s']:.1f} audio s/s, "
-              f"p50 {'-' if p50 is None else f'{p50:.0f} ms'}, peak RSS {r['peak_rss_mib']:.0f} MiB")
-except (OSError, ValueError, KeyError) as exc:
-    print(f"\nno bench_dac.json: {exc}")
-try:
-    qwen3 = json.load(open(os.path.join(out, "bench_qwen3.json")))
-    print("\n== bench_qwen3 (qwen3-tts-12hz, full size): see bench_qwen3.log for the table ==")
-    for r in qwen3.get("results", []):
-        p50 = r.get("latency_p50_ms")
-        print(f"  N={r['n_clients']} {r['system']}: {r['audio_s_per_s']:.1f} audio s/s, "
-              f"p50 {'-' if p50 is None else f'{p50:.0f} ms'}, peak RSS {r['peak_rss_mib']:.0f} MiB")
-except (OSError, ValueError, KeyError) as exc:
-    print(f"\nno bench_qwen3.json: {exc}")
+for step, codec in (("bench_dac", "dac-44khz"), ("bench_qwen3", "qwen3-tts-12hz")):
+    try:
+        report = json.load(open(os.path.join(out, f"{step}.json")))
+        print(f"\n== {step} ({codec}, full size): see {step}.log for the table ==")
+        for r in report.get("results", []):
+            p50 = r.get("latency_p50_ms")
+            print(f"  N={r['n_clients']} {r['system']}: {r['audio_s_per_s']:.1f} audio s/s, "
+                  f"p50 {'-' if p50 is None else f'{p50:.0f} ms'}, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"\nno {step}.json: {exc}")
 EOF
 say "done in $((SECONDS - START))s; summary.txt and device_check.tar.gz in $OUT_DIR"
 finish 0

@@ -160,21 +160,34 @@ def summary(mode: str, workers: int, records: list[Record], wall: float,
     }
 
 
-HEADER = (f"{'decoder':<8} {'streams':>7} {'utts':>5} {'TTFA p50':>9} {'TTFA p95':>9} {'TTFA max':>9} "
-          f"{'audio s/s':>9} "
+HEADER = (f"{'decoder':<8} {'streams':>7} {'threads':>7} {'utts':>5} {'TTFA p50':>9} {'TTFA p95':>9} "
+          f"{'TTFA max':>9} {'audio s/s':>9} "
           f"{'late chunks':>12}")  # fmt: skip
 
 
 def row_line(r: dict[str, Any]) -> str:
-    return (f"{r['mode']:<8} {r['streams']:>7} {r['utterances']:>5} {r['ttfa_p50_ms']:>7.0f}ms "
-            f"{r['ttfa_p95_ms']:>7.0f}ms {r['ttfa_max_ms']:>7.0f}ms {r['audio_s_per_s']:>9.2f} "
-            f"{r['late_chunks']:>5}/{r['chunks']:<6}")  # fmt: skip
+    return (f"{r['mode']:<8} {r['streams']:>7} {r['threads']:>7} {r['utterances']:>5} "
+            f"{r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>7.0f}ms {r['ttfa_max_ms']:>7.0f}ms "
+            f"{r['audio_s_per_s']:>9.2f} {r['late_chunks']:>5}/{r['chunks']:<6}")  # fmt: skip
 
 
 def machine_line() -> str:
     load = os.getloadavg()
     return (f"{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, load average "
             f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")  # fmt: skip
+
+
+def own_threads(args: Any, workers: int) -> int:
+    """Each own decoder's torch threads: ``--threads``, else its share of the cores. So both modes
+    use every core at every worker count; N workers of torch's default (every core each) would
+    oversubscribe the CPU N times over, and one thread each would leave cores idle below N = cores."""
+    return args.threads or max(1, (os.cpu_count() or 1) // workers)
+
+
+def server_threads(args: Any) -> int:
+    """The shared server's torch threads: ``--server-threads``, else every core, as a server
+    deployed alone on the machine runs."""
+    return args.server_threads or os.cpu_count() or 1
 
 
 def main(args: Any, target: Callable[..., list[Record]], server_options: list[str],
@@ -191,11 +204,14 @@ def main(args: Any, target: Callable[..., list[Record]], server_options: list[st
                 options = [*server_options, "--slots", str(2 * workers + 8)]
                 server = start_server(name, options, args.server_log)
             try:
-                records, wall = run_workers(target, workers, {**settings, "mode": mode, "name": name})
+                run = {**settings, "mode": mode, "name": name, "threads": own_threads(args, workers)}
+                records, wall = run_workers(target, workers, run)
             finally:
                 if server is not None:
                     stop_server(server)
             rows.append(summary(mode, workers, records, wall, name if server is not None else None))
+            # torch threads: each own decoder's, or the one server's
+            rows[-1]["threads"] = server_threads(args) if server is not None else run["threads"]
             print(row_line(rows[-1]), flush=True)
     print(machine_line(), flush=True)
     if args.json:
@@ -215,9 +231,10 @@ def add_arguments(parser: Any, *, rate: float, default_preset: str, unit: str = 
     parser.add_argument("--preset", default=default_preset, choices=["tiny", "full"],
                         help="codec size (random weights: the audio is noise)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="torch device of every decoder (e.g. cuda:0)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each own decoder")
+    parser.add_argument("--threads", type=int, help="torch threads of each own decoder (default: its "
+                        "share of the cores, cores // workers, at least 1)")  # fmt: skip
     parser.add_argument("--server-threads", type=int, help="torch CPU threads of the shared server "
-                        "(default: --threads)")  # fmt: skip
+                        "(default: every core)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the table here as JSON")
     parser.add_argument("--server-log", help="the shared server's log (default: discarded)")

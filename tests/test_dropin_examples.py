@@ -1,10 +1,12 @@
 """examples/orpheus_tts, examples/spark_tts and examples/qwen3_tts, briefly: 2 worker processes
 per mode, tiny codecs, a fast stand-in language model. Each example starts its own server process
-and stops it; the run must finish, return all the audio, and leave nothing in /dev/shm."""
+and stops it, and gives each mode every core; the run must finish, return all the audio, and
+leave nothing in /dev/shm."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,6 +29,8 @@ def run_example(module: str, tmp_path, *options: str) -> dict:
     for r in rows:
         assert 0 < r["ttfa_p50_ms"] <= r["ttfa_max_ms"] and r["audio_s_per_s"] > 0
     assert rows[0]["server"] is None and rows[1]["server"].startswith("bcshm-example-")
+    # Both modes use every core: two own decoders a half each, the one server all of them.
+    assert [r["threads"] for r in rows] == [max(1, os.cpu_count() // 2), os.cpu_count()]
     assert leftover_objects(rows[1]["server"]) == []
     return rows
 

@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-preset", default="default", choices=["default", "exact", "peers"])
     args = parser.parse_args(argv)
     server = ["--codec", "qwen3-tts-12hz", "--preset", PRESETS[args.preset], "--seed", str(args.seed),
-              "--device", args.device, "--threads", str(args.server_threads or args.threads)]  # fmt: skip
-    settings = {"preset": args.preset, "seed": args.seed, "device": args.device, "threads": args.threads,
+              "--device", args.device, "--threads", str(dropin_load.server_threads(args))]  # fmt: skip
+    settings = {"preset": args.preset, "seed": args.seed, "device": args.device,
                 "utterances": args.utterances, "frames": args.frames, "rate": args.rate,
                 "stream_preset": args.stream_preset}  # fmt: skip
     seconds = args.frames * SAMPLES_PER_FRAME / SAMPLE_RATE

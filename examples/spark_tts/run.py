@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=150, help="semantic tokens per utterance (150 = 3 s)")
     args = parser.parse_args(argv)
     server = ["--preset", PRESETS[args.preset], "--seed", str(args.seed), "--device", args.device,
-              "--threads", str(args.server_threads or args.threads)]  # fmt: skip
-    settings = {"preset": args.preset, "seed": args.seed, "device": args.device, "threads": args.threads,
+              "--threads", str(dropin_load.server_threads(args))]  # fmt: skip
+    settings = {"preset": args.preset, "seed": args.seed, "device": args.device,
                 "utterances": args.utterances, "tokens": args.tokens, "rate": args.rate}  # fmt: skip
     print(f"Spark-TTS stand-in: {args.tokens} semantic tokens ({args.tokens / 50:.1f} s) per utterance at "
           f"{args.rate:g} tokens/s, decoder {PRESETS[args.preset]} on {args.device}")  # fmt: skip

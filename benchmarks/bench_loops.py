@@ -1,0 +1,119 @@
+"""The TTS loops users run, side by side in one run: a decoder in every worker against one shared
+server, for Orpheus, Spark-TTS and Qwen3-TTS, at several worker counts and model sizes.
+
+Each loop is its example (``examples/orpheus_tts``, ``examples/spark_tts``, ``examples/qwen3_tts``):
+N worker processes, each serving utterances one after another with a stand-in language model, and
+decoding either with a decoder of its own (``own``) or through one ``bicodec-shm serve`` started
+for the run (``shared``). Both modes use every core: each own decoder gets its share
+(``cores // N`` threads, at least 1), the server all of them. Per loop, size and worker count the
+table gives, for each mode: time to first audio (p50, p95, max), audio seconds per second and
+late chunks (a chunk is late when it arrives after the audio before it has finished playing), and
+the shared server's ratios to its own-decoder row: audio per second (higher is better), TTFA p95
+(lower is better).
+
+Usage::
+
+    python benchmarks/bench_loops.py                                # tiny, 1 4 16 32 workers
+    python benchmarks/bench_loops.py --sizes tiny full --workers 1 4 --json loops.json
+    python benchmarks/bench_loops.py --loops qwen3_tts --workers 4 16 --utterances 2
+
+One run of each cell: a ratio within ``NOISE`` of 1 is marked ``~`` (noise on a shared machine,
+not a difference). Progress goes to stderr, one line per example run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOOPS = ("orpheus_tts", "spark_tts", "qwen3_tts")
+NOISE = 0.05  # one run per cell: a ratio within 5 % of 1 is not a difference
+
+
+def run_loop(loop: str, size: str, workers: list[int], utterances: int, extra: list[str]) -> dict:
+    """One example's run over ``workers``: its machine line and rows (``examples.dropin_load``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", f"examples.{loop}.run", "--preset", size, "--workers",
+               *map(str, workers), "--utterances", str(utterances), "--json", out, *extra]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd[1:])} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Each shared row gains ``vs_own``: its audio per second and TTFA p95 over the own row's."""
+    own = {r["streams"]: r for r in rows if r["mode"] == "own"}
+    for r in rows:
+        o = own.get(r["streams"])
+        if r["mode"] == "shared" and o is not None:
+            r["vs_own"] = {"audio_s_per_s": r["audio_s_per_s"] / o["audio_s_per_s"],
+                           "ttfa_p95": r["ttfa_p95_ms"] / o["ttfa_p95_ms"]}  # fmt: skip
+    return rows
+
+
+def ratio_text(x: float) -> str:
+    return f"{'~' if abs(x - 1) < NOISE else ''}{x:.2f}x"
+
+
+def table(cells: list[dict]) -> str:
+    head = (f"{'loop':<12} {'size':<5} {'N':>3} {'decoder':<7} {'thr':>3} {'TTFA p50':>9} {'p95':>8} "
+            f"{'max':>8} {'audio s/s':>9} {'late':>11} {'audio vs own':>12} {'p95 vs own':>10}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        for r in c["rows"]:
+            vs = r.get("vs_own")
+            late = f"{r['late_chunks']}/{r['chunks']}"
+            audio_vs = ratio_text(vs["audio_s_per_s"]) if vs else ""
+            p95_vs = ratio_text(vs["ttfa_p95"]) if vs else ""
+            lines.append(
+                f"{c['loop']:<12} {c['size']:<5} {r['streams']:>3} {r['mode']:<7} {r['threads']:>3} "
+                f"{r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>6.0f}ms {r['ttfa_max_ms']:>6.0f}ms "
+                f"{r['audio_s_per_s']:>9.2f} {late:>11} "
+                f"{audio_vs:>12} {p95_vs:>10}"
+            )  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS))
+    p.add_argument("--sizes", nargs="+", choices=["tiny", "full"], default=["tiny"],
+                   help="codec sizes (random weights); full takes minutes per cell on a CPU")  # fmt: skip
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--utterances", type=int, default=3, help="utterances per worker")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--example-args", default="", metavar="ARGS",
+                   help='more options for every example, e.g. "--rate 2000" (see each --help)')  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write every row here")
+    args = p.parse_args(argv)
+    cells = []
+    t0 = time.perf_counter()
+    for size in args.sizes:
+        for loop in args.loops:
+            print(f"[{time.perf_counter() - t0:6.0f} s] {loop} {size}: workers {args.workers} ...",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            extra = ["--device", args.device, *shlex.split(args.example_args)]
+            got = run_loop(loop, size, args.workers, args.utterances, extra)
+            cells.append({"loop": loop, "size": size, "machine": got["machine"], "rows": ratios(got["rows"])})
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, device {args.device}; "
+          f"first and last load: {cells[0]['machine']} | {cells[-1]['machine']}")  # fmt: skip
+    print(table(cells))
+    print(f"\none run per cell: ratios marked ~ are within {NOISE:.0%} of 1 (noise, not a difference)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"noise": NOISE, "cells": cells}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

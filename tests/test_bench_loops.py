@@ -1,0 +1,58 @@
+"""benchmarks/bench_loops.py: the example loops side by side, each shared row with its ratios to
+the own-decoder row of the same worker count, one table and JSON; a short real run of one loop
+(real worker processes and a real server) and the ratio arithmetic on given rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_loops.py")
+_spec = importlib.util.spec_from_file_location("bench_loops", SCRIPT)
+bench_loops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_loops)
+
+
+def _row(mode: str, streams: int, audio: float, p95: float) -> dict:
+    return {"mode": mode, "streams": streams, "threads": 1, "utterances": 2, "ttfa_p50_ms": p95 / 2,
+            "ttfa_p95_ms": p95, "ttfa_max_ms": p95, "audio_s_per_s": audio, "late_chunks": 0,
+            "chunks": 4}  # fmt: skip
+
+
+def test_each_shared_row_is_divided_by_the_own_row_of_its_worker_count():
+    rows = bench_loops.ratios([_row("own", 1, 2.0, 100), _row("shared", 1, 1.0, 400),
+                               _row("own", 4, 4.0, 200), _row("shared", 4, 6.0, 100)])  # fmt: skip
+    assert "vs_own" not in rows[0] and "vs_own" not in rows[2]
+    assert rows[1]["vs_own"] == {"audio_s_per_s": 0.5, "ttfa_p95": 4.0}
+    assert rows[3]["vs_own"] == {"audio_s_per_s": 1.5, "ttfa_p95": 0.5}
+    text = bench_loops.table([{"loop": "qwen3_tts", "size": "tiny", "rows": rows}])
+    assert "0.50x" in text and "1.50x" in text and "4.00x" in text
+
+
+@pytest.mark.parametrize("ratio, shown",
+                         [(1.04, "~1.04x"), (0.96, "~0.96x"), (1.06, "1.06x"), (0.5, "0.50x")])  # fmt: skip
+def test_a_ratio_within_the_noise_of_one_is_marked(ratio, shown):
+    assert bench_loops.ratio_text(ratio) == shown
+
+
+def test_a_short_run_of_one_loop_gives_both_modes_with_every_core(tmp_path):
+    out = tmp_path / "loops.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--loops", "qwen3_tts", "--workers", "2",
+                           "--utterances", "1", "--example-args", "--rate 2000 --frames 8",
+                           "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "qwen3_tts tiny: workers [2]" in proc.stderr and "audio vs own" in proc.stdout
+    cell, = json.loads(out.read_text())["cells"]
+    own, shared = cell["rows"]
+    cores = os.cpu_count()
+    assert (own["mode"], own["threads"]) == ("own", max(1, cores // 2))
+    assert (shared["mode"], shared["threads"]) == ("shared", cores)
+    assert own["audio_s"] == shared["audio_s"] == pytest.approx(2 * 8 * 1920 / 24000)
+    assert shared["vs_own"]["audio_s_per_s"] == pytest.approx(shared["audio_s_per_s"] / own["audio_s_per_s"])

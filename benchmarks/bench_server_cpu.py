@@ -49,7 +49,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ipc import N_GLOBAL, N_TOKENS, _NoopDecoder  # noqa: E402  (the same no-op decoder)
 
-from bicodec_shm.client.decoder_client import DecoderClient, _submit  # noqa: E402
+from bicodec_shm.client.decoder_client import DecoderClient  # noqa: E402
+from bicodec_shm.client.requests import submit  # noqa: E402
 from bicodec_shm.protocol.layout import NO_BELL
 from bicodec_shm.protocol.names import leftover_objects, random_name  # noqa: E402
 from bicodec_shm.server import server as server_module  # noqa: E402
@@ -116,7 +117,7 @@ class _Rig:
         for client, request in zip(self.clients, self.requests):
             att = client._attachment(time.monotonic() + TIMEOUT)
             slot, seq = att.take_slot(time.monotonic() + TIMEOUT)
-            _submit(att, slot, seq, request, NO_BELL)
+            submit(att, slot, seq, request, NO_BELL)
             held.append((att, slot, seq))
         t0 = time.thread_time_ns()
         batch = self.server._take(False)

@@ -79,7 +79,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_client_boundary.py", "-k", "larger_max_tokens"),
     m("f28-9-a-stale-attachment-refuses-by-its-limits",
       "a request that does not fit an attachment whose server went away is refused, not resubmitted",
-      "bicodec_shm/client/decoder_client.py",
+      "bicodec_shm/client/requests.py",
       "        att.check_alive()  # raises Gone (and retires the attachment) if its server went away\n", "",
       "tests/test_client_boundary.py", "-k", "larger_max_tokens"),
     m("f28-10-a-replaced-group-router-raises-gone",
@@ -232,7 +232,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "            except Exception:\n                # Ctrl-C, a signal handler's",
       "tests/test_review_findings.py", "-k", "test_3_4"),
     m("f5-no-refit-to-the-attachment", "a request not re-checked against the server it goes to",
-      "bicodec_shm/client/decoder_client.py",
+      "bicodec_shm/client/requests.py",
       "if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:",
       "if True:",
       "tests/test_review_findings.py", "-k", "test_5_"),
@@ -420,7 +420,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "valid = steps[None, :] <= lens[:, None]  # (B, n - low)",
       "tests/test_dac_model.py", "-k", "tiny_batched"),
     m("fit-validates-every-request-again", "a request checked against its codec is checked again "
-      "in full against the attachment that sends it", "bicodec_shm/client/decoder_client.py",
+      "in full against the attachment that sends it", "bicodec_shm/client/requests.py",
       "    if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:\n"
       "        return\n", "",
       "tests/test_snac_serving.py", "-k", "validated_once"),

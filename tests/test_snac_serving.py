@@ -252,18 +252,23 @@ def test_the_prometheus_server_info_names_the_codec():
 
 
 def _count_validations(monkeypatch) -> dict[str, int]:
-    """Wrap the client's two validators so that each call is counted."""
+    """Wrap the client's two validators, where the handle and its requests call them, so that
+    each call is counted."""
     import bicodec_shm.client.decoder_client as dc
+    import bicodec_shm.client.requests as rq
 
     calls = {"as_token_array": 0, "check_request": 0}
-    for fn in calls:
-        real = getattr(dc, fn)
+    for module in (dc, rq):
+        for fn in calls:
+            real = getattr(module, fn, None)
+            if real is None:
+                continue
 
-        def counted(*args, _real=real, _fn=fn, **kwargs):
-            calls[_fn] += 1
-            return _real(*args, **kwargs)
+            def counted(*args, _real=real, _fn=fn, **kwargs):
+                calls[_fn] += 1
+                return _real(*args, **kwargs)
 
-        monkeypatch.setattr(dc, fn, counted)
+            monkeypatch.setattr(module, fn, counted)
     return calls
 
 

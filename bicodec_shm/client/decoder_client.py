@@ -33,7 +33,6 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,11 +46,10 @@ from ..codecs.layout import (
     MAX_FRAMES,
     CodecLayout,
     check_noise_seed,
-    check_request,
     check_start_frame,
 )
 from ..codecs.orpheus import AUDIO_TOKEN_BASE, orpheus_to_codes
-from ..codecs.validation import SLOT_LIMIT, as_token_array, output_dtype_code
+from ..codecs.validation import as_token_array, output_dtype_code
 from ..errors import BiCodecShmError, ClientClosedError, ServerUnavailableError
 from ..protocol.attachment import Attachment
 from ..protocol.group import read_group
@@ -60,6 +58,7 @@ from ..protocol.layout import FLAG_NO_NOISE, N_GLOBAL, NO_BELL
 from ..protocol.names import ServerState, probe, validate_name
 from ..protocol.served import describe_served
 from ..protocol.waiting import SLICE, Gone
+from .requests import Request, check_codec, check_for_layout, fit, submit
 from .router import GroupRouter
 
 DEFAULT_TIMEOUT = 30.0
@@ -73,21 +72,6 @@ STOP_GRACE = 5.0
 REATTACH_PAUSE = SLICE / 5  # between attachments lost in quick succession (see ``_drop``)
 
 _live_clients: weakref.WeakSet[DecoderClient] = weakref.WeakSet()
-
-
-@dataclass
-class _Request:
-    """A validated request: what ``Attachment.submit`` writes."""
-
-    kind: str  # "bicodec" (decode), "orpheus" (snac-24khz codes) or "codes" (decode_codes)
-    codec: str | None  # the codec the caller named (decode_codes(codec=...)), else None
-    levels: list[np.ndarray]  # (T·r_i,) int32 per level; BiCodec: [semantic]
-    global_ids: np.ndarray | None  # (n_global,) int32, or None for a codec without them
-    dtype: int  # OutputDtype
-    noise_seed: int = DEFAULT_NOISE_SEED
-    flags: int = 0  # FLAG_NO_NOISE
-    start_frame: int = 0  # SNAC: where a streaming window starts in its utterance
-    checked: CodecLayout | None = None  # the layout it was last checked against
 
 
 def _after_fork_in_child() -> None:
@@ -286,31 +270,31 @@ class DecoderClient:
             self._max_tokens = limit
         return self._max_tokens
 
-    def _decode(self, request: _Request, timeout: float | None) -> np.ndarray:
+    def _decode(self, request: Request, timeout: float | None) -> np.ndarray:
         try:
             return self._decode_sync(request, timeout)
         except Gone as exc:  # never expected here: the loop resubmits; but never let it out
             raise self._lost_error(exc) from None
 
-    async def _decode_async(self, request: _Request, timeout: float | None) -> np.ndarray:
+    async def _decode_async(self, request: Request, timeout: float | None) -> np.ndarray:
         try:
             return await self._decode_async_loop(request, timeout)
         except Gone as exc:  # as in ``_decode``
             raise self._lost_error(exc) from None
 
-    def _decode_sync(self, request: _Request, timeout: float | None) -> np.ndarray:
+    def _decode_sync(self, request: Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         while True:
             att = self._attachment(deadline)
             try:
-                _fit(att, request)
+                fit(att, request)
             except Gone as exc:
                 self._drop(att, deadline, exc)
                 continue
             seq = att.new_seq()  # before the try: its cleanup must know what to look for
             try:
                 slot, _ = att.take_slot(deadline, seq)
-                _submit(att, slot, seq, request, NO_BELL)
+                submit(att, slot, seq, request, NO_BELL)
                 self._requests += 1
                 return att.wait_result(slot, seq, deadline)
             except Gone as exc:
@@ -328,7 +312,7 @@ class DecoderClient:
         """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""
         return await self._decode_async(self._prepare(semantic_ids, global_ids, dtype), timeout)
 
-    async def _decode_async_loop(self, request: _Request, timeout: float | None) -> np.ndarray:
+    async def _decode_async_loop(self, request: Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
         loop = asyncio.get_running_loop()
         while True:
@@ -337,7 +321,7 @@ class DecoderClient:
                 await asyncio.sleep(SLICE)
                 continue
             try:
-                _fit(att, request)
+                fit(att, request)
             except Gone as exc:
                 self._drop(att, deadline, exc)
                 continue
@@ -346,7 +330,7 @@ class DecoderClient:
             try:
                 slot, _ = await att.take_slot_async(deadline, seq)
                 bell = att.register(slot, seq, loop, future)
-                _submit(att, slot, seq, request, bell)
+                submit(att, slot, seq, request, bell)
                 self._requests += 1
                 left = deadline - time.monotonic()
                 try:
@@ -420,9 +404,9 @@ class DecoderClient:
 
     # -- request plumbing ---------------------------------------------------------------------
 
-    def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> _Request:
+    def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> Request:
         """Validate against BiCodec's own bounds: refuse here only what no server could take.
-        ``_fit`` checks the limits of the attachment a request actually uses (a server may have
+        ``fit`` checks the limits of the attachment a request actually uses (a server may have
         been replaced by one with other limits, or a group's members may differ)."""
         if self._closed:
             raise self._closed_error()
@@ -430,31 +414,31 @@ class DecoderClient:
                                   max_len=MAX_FRAMES, limit=ANY_SLOT_LIMIT)  # fmt: skip
         globals_ = as_token_array(global_ids, what="global_ids", vocab=BICODEC.global_vocab,
                                   max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
-        return _Request("bicodec", None, [semantic], globals_, output_dtype_code(dtype),
+        return Request("bicodec", None, [semantic], globals_, output_dtype_code(dtype),
                         checked=BICODEC)  # fmt: skip
 
     def _prepare_codes(self, levels: Any, global_ids: Any, noise_seed: int, noise: bool,
                        dtype: str, codec: str | None, *, kind: str = "codes",
-                       start_frame: int = 0) -> _Request:  # fmt: skip
+                       start_frame: int = 0) -> Request:  # fmt: skip
         """Validate a code-level request against its codec's own bounds: the codec it names
         (``codec``, or snac-24khz for Orpheus tokens), else the one the server last attached
-        serves; any length a server could hold. ``_fit`` checks the attachment's limits."""
+        serves; any length a server could hold. ``fit`` checks the attachment's limits."""
         if self._closed:
             raise self._closed_error()
         if codec is not None and codec not in LAYOUTS:
             raise ValueError(f"unknown codec {codec!r}; expected one of {sorted(LAYOUTS)}")
         if not isinstance(noise, bool):
             raise ValueError(f"noise must be True or False, got {noise!r}")
-        request = _Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
+        request = Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
                            check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE,
                            check_start_frame(start_frame))  # fmt: skip
         layout = LAYOUTS[codec] if codec is not None else self._codec
         try:
-            _check_request(request, layout, MAX_FRAMES, self.name, limit=ANY_SLOT_LIMIT)
+            check_for_layout(request, layout, MAX_FRAMES, self.name, limit=ANY_SLOT_LIMIT)
         except ValueError:
             # Codes that do not fit the codec they name, sent to a server of another codec: say
             # that first (the likelier slip), naming both codecs.
-            _check_codec(kind, codec, self._codec, self.name)
+            check_codec(kind, codec, self._codec, self.name)
             raise
         return request
 
@@ -621,91 +605,6 @@ class DecoderClient:
             att.forget_after_fork()
         if self._group is not None:
             self._group.forget_after_fork()
-
-
-def _fit(att: Attachment, request: _Request) -> None:
-    """Check a validated request against the limits of the server that will decode it, before
-    anything is written (a restarted server may have a smaller --max-tokens, or serve another
-    codec). Raises ``Gone`` rather than refuse it for a server that no longer serves: its
-    successor, with limits of its own, decides."""
-    # The common case costs one comparison: checked against this very layout already (the
-    # layout holds every vocabulary), and short enough for this server's slots.
-    if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:
-        return
-    try:
-        _fit_slow(att, request)
-    except ValueError:
-        att.check_alive()  # raises Gone (and retires the attachment) if its server went away
-        raise
-
-
-def _fit_slow(att: Attachment, request: _Request) -> None:
-    if request.kind != "bicodec":
-        _check_request(request, att.codec, att.max_tokens, att.name)
-        return
-    _check_codec("bicodec", None, att.codec, att.name)
-    request.levels[0], request.global_ids = _fit_bicodec(att, request.levels[0], request.global_ids)
-    request.checked = att.codec
-
-
-def _fit_bicodec(att: Attachment, semantic: np.ndarray,
-                 globals_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    if (
-        semantic.shape[0] > att.max_tokens
-        or int(semantic.max()) >= att.semantic_vocab
-        or int(globals_.max()) >= att.global_vocab
-    ):
-        semantic = as_token_array(semantic, what="semantic_ids", vocab=att.semantic_vocab,
-                                  max_len=att.max_tokens)  # fmt: skip
-        globals_ = as_token_array(globals_, what="global_ids", vocab=att.global_vocab,
-                                  max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
-    return semantic, globals_
-
-
-def _submit(att: Attachment, slot: int, seq: int, request: _Request, bell: int) -> None:
-    att.submit(slot, seq, request.levels, request.global_ids, request.dtype, bell,
-               noise_seed=request.noise_seed, flags=request.flags,
-               start_frame=request.start_frame)  # fmt: skip
-
-
-def _check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -> None:
-    """Refuse a request for another codec than the one ``name`` serves, naming both."""
-    wanted = {"bicodec": "bicodec", "orpheus": "snac-24khz"}.get(kind, codec)
-    if wanted is None or wanted == served.name:
-        return
-    hint = {
-        "bicodec": "send its code levels with decode_codes(levels), or Orpheus tokens with "
-                   "decode_orpheus(token_ids)",
-        "orpheus": "Orpheus tokens need a `serve --codec snac-24khz` server",
-    }.get(kind, f"start a `serve --codec {wanted}` server, or send {served.name} codes")
-    what = {"bicodec": "decode() sends BiCodec semantic and global ids",
-            "orpheus": "Orpheus audio tokens are snac-24khz codes",
-            }.get(kind, f"these are {wanted} codes")  # fmt: skip
-    raise ValueError(f"{what}, but {name!r} serves {served.name} ({served.describe()}): {hint}")
-
-
-def _check_request(request: _Request, layout: CodecLayout, max_frames: int, name: str, *,
-                   limit: str = SLOT_LIMIT) -> None:  # fmt: skip
-    """Validate a code-level request against ``layout`` in place (its levels become int32
-    arrays); a request shaped for another codec is refused naming both codecs. ``limit`` says
-    what ``max_frames`` is, for the message of a request that is too long."""
-    _check_codec(request.kind, request.codec, layout, name)
-    levels = request.levels
-    n_levels = len(levels) if isinstance(levels, (list, tuple)) or getattr(levels, "ndim", 0) == 2 else None
-    globs = request.global_ids is not None
-    if n_levels is not None and n_levels != layout.n_levels:
-        guess = sorted(c.name for c in LAYOUTS.values()
-                       if c.n_levels == n_levels and c.takes_global_ids == globs)  # fmt: skip
-        shape = f"{n_levels} code level(s) {'with' if globs else 'without'} global ids"
-        like = f" (the shape of {' or '.join(guess)} codes)" if guess else ""
-        raise ValueError(
-            f"this request has {shape}{like}, but {name!r} serves {layout.name}: "
-            f"{layout.describe()}"
-        )
-    request.levels, request.global_ids, _ = check_request(
-        layout, levels, request.global_ids, max_frames=max_frames, slot_limit=limit
-    )
-    request.checked = layout
 
 
 def _discard(future: asyncio.Future) -> None:

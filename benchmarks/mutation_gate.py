@@ -931,6 +931,21 @@ MUTANTS: tuple[Mutant, ...] = (
       "step = min(s.chunk_tokens, max(s.first_chunk, e))",
       "step = s.first_chunk if e == 0 else s.chunk_tokens",
       "tests/test_qwen3_streaming.py", "-k", "short_first_chunk"),
+
+    # -- serving by when the audio is due ----------------------------------------------------------
+    m("plan-by-arrival-not-due", "the server plans by arrival: a stream with seconds of audio ahead "
+      "is decoded before one about to run dry", "bicodec_shm/server/server.py",
+      "self._planner.plan(ready.lengths, ready.due(),", "self._planner.plan(ready.lengths, ready.seen_ns,",
+      "tests/test_due_order.py", "-k", "run_dry"),
+    m("due-time-uncapped", "a client-written due time postpones its request without bound",
+      "bicodec_shm/protocol/slot_io.py",
+      'due_ns=seen + 1000 * np.minimum(rows["due_in_us"], MAX_DUE_IN_US).astype(np.int64),',
+      'due_ns=seen + 1000 * rows["due_in_us"].astype(np.int64),',
+      "tests/test_due_order.py", "-k", "caps"),
+    m("stream-windows-always-due-now", "a stream says every window is due now, whatever audio its "
+      "listener holds", "bicodec_shm/client/streaming.py",
+      'return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic())}',
+      'return {"due_in": 0.0}', "tests/test_due_order.py", "-k", "first_window"),
 )
 
 

@@ -58,7 +58,7 @@ from ..protocol.layout import FLAG_NO_NOISE, N_GLOBAL, NO_BELL
 from ..protocol.names import ServerState, probe, validate_name
 from ..protocol.served import describe_served
 from ..protocol.waiting import SLICE, Gone
-from .requests import Request, check_codec, check_for_layout, fit, submit
+from .requests import Request, check_codec, check_due_in, check_for_layout, fit, submit
 from .router import GroupRouter
 
 DEFAULT_TIMEOUT = 30.0
@@ -148,7 +148,7 @@ class DecoderClient:
     # -- public API ---------------------------------------------------------------------------
 
     def decode(self, semantic_ids: Any, global_ids: Any, *, dtype: str = "int16",
-               timeout: float | None = None) -> np.ndarray:  # fmt: skip
+               timeout: float | None = None, due_in: float = 0.0) -> np.ndarray:  # fmt: skip
         """Decode one utterance; blocks the calling thread.
 
         Args:
@@ -156,17 +156,19 @@ class DecoderClient:
             global_ids: (32,) ints in [0, 4096).
             dtype: "int16" (clipped, scaled by 32767, truncated) or "float32" (the model's output).
             timeout: seconds for this call (default: the handle's).
+            due_in: seconds until the audio is due (a stream's audio still buffered at its
+                listener; 0: now): the server decodes what is due soonest first.
         Returns:
             (320·T,) int16 or float32 samples at 16 kHz.
         Raises:
             ValueError: bad ids, or a server that serves another codec than BiCodec.
         """
-        return self._decode(self._prepare(semantic_ids, global_ids, dtype), timeout)
+        return self._decode(self._prepare(semantic_ids, global_ids, dtype, due_in), timeout)
 
     def decode_codes(self, levels: Any, *, global_ids: Any = None,
                      noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
                      dtype: str = "int16", codec: str | None = None, start_frame: int = 0,
-                     timeout: float | None = None) -> np.ndarray:  # fmt: skip
+                     timeout: float | None = None, due_in: float = 0.0) -> np.ndarray:  # fmt: skip
         """Decode one utterance given as code levels, for the codec the server serves (SNAC).
 
         Args:
@@ -185,6 +187,7 @@ class DecoderClient:
                 window): SNAC then draws the noise the whole utterance's decode draws at those
                 frames. 0 (default) for a whole utterance.
             timeout: seconds for this call (default: the handle's).
+            due_in: seconds until the audio is due, as for ``decode``.
         Returns:
             (codec.decoded_samples(n),) int16 or float32 samples at the codec's sample rate:
             samples_per_frame·n, 8 fewer for DAC 24 and 16 kHz (their decoders' own length).
@@ -194,17 +197,17 @@ class DecoderClient:
                 take, a bad seed, or a server of another codec (naming both).
         """
         request = self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec,
-                                      start_frame=start_frame)  # fmt: skip
+                                      start_frame=start_frame, due_in=due_in)  # fmt: skip
         return self._decode(request, timeout)
 
     async def decode_codes_async(self, levels: Any, *, global_ids: Any = None,
                                  noise_seed: int = DEFAULT_NOISE_SEED, noise: bool = True,
                                  dtype: str = "int16", codec: str | None = None,
-                                 start_frame: int = 0,
-                                 timeout: float | None = None) -> np.ndarray:  # fmt: skip
+                                 start_frame: int = 0, timeout: float | None = None,
+                                 due_in: float = 0.0) -> np.ndarray:  # fmt: skip
         """``decode_codes`` for asyncio."""
         request = self._prepare_codes(levels, global_ids, noise_seed, noise, dtype, codec,
-                                      start_frame=start_frame)  # fmt: skip
+                                      start_frame=start_frame, due_in=due_in)  # fmt: skip
         return await self._decode_async(request, timeout)
 
     def decode_orpheus(self, token_ids: Any, *, base: int = AUDIO_TOKEN_BASE,
@@ -308,9 +311,10 @@ class DecoderClient:
                 raise
 
     async def decode_async(self, semantic_ids: Any, global_ids: Any, *, dtype: str = "int16",
-                           timeout: float | None = None) -> np.ndarray:  # fmt: skip
+                           timeout: float | None = None, due_in: float = 0.0) -> np.ndarray:  # fmt: skip
         """``decode`` for asyncio: never blocks the event loop, starts no thread per call."""
-        return await self._decode_async(self._prepare(semantic_ids, global_ids, dtype), timeout)
+        request = self._prepare(semantic_ids, global_ids, dtype, due_in)
+        return await self._decode_async(request, timeout)
 
     async def _decode_async_loop(self, request: Request, timeout: float | None) -> np.ndarray:
         deadline = self._deadline(timeout)
@@ -404,7 +408,7 @@ class DecoderClient:
 
     # -- request plumbing ---------------------------------------------------------------------
 
-    def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str) -> Request:
+    def _prepare(self, semantic_ids: Any, global_ids: Any, dtype: str, due_in: float = 0.0) -> Request:
         """Validate against BiCodec's own bounds: refuse here only what no server could take.
         ``fit`` checks the limits of the attachment a request actually uses (a server may have
         been replaced by one with other limits, or a group's members may differ)."""
@@ -415,11 +419,11 @@ class DecoderClient:
         globals_ = as_token_array(global_ids, what="global_ids", vocab=BICODEC.global_vocab,
                                   max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
         return Request("bicodec", None, [semantic], globals_, output_dtype_code(dtype),
-                        checked=BICODEC)  # fmt: skip
+                       due_in_us=check_due_in(due_in), checked=BICODEC)  # fmt: skip
 
     def _prepare_codes(self, levels: Any, global_ids: Any, noise_seed: int, noise: bool,
                        dtype: str, codec: str | None, *, kind: str = "codes",
-                       start_frame: int = 0) -> Request:  # fmt: skip
+                       start_frame: int = 0, due_in: float = 0.0) -> Request:  # fmt: skip
         """Validate a code-level request against its codec's own bounds: the codec it names
         (``codec``, or snac-24khz for Orpheus tokens), else the one the server last attached
         serves; any length a server could hold. ``fit`` checks the attachment's limits."""
@@ -431,7 +435,7 @@ class DecoderClient:
             raise ValueError(f"noise must be True or False, got {noise!r}")
         request = Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
                            check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE,
-                           check_start_frame(start_frame))  # fmt: skip
+                           check_start_frame(start_frame), check_due_in(due_in))  # fmt: skip
         layout = LAYOUTS[codec] if codec is not None else self._codec
         try:
             check_for_layout(request, layout, MAX_FRAMES, self.name, limit=ANY_SLOT_LIMIT)

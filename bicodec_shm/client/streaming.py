@@ -43,7 +43,9 @@ buffered: calling ``push([])`` or ``finish()`` again retries.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -208,6 +210,14 @@ class DecodeStream:
         self._decoded = 0
         self._finished = False
         self._busy = threading.Lock()
+        # The listener's clock: its first audio went out at ``_first_audio`` (monotonic), and it
+        # plays ``_rate`` samples a second from then. A window sent to a server says when its
+        # audio is due (``due_in``), so the server decodes a stream about to run dry before one
+        # with seconds of audio ahead, and a first window (nothing playing yet) at once.
+        self._first_audio: float | None = None
+        self._rate = layout.sample_rate if layout is not None else SAMPLE_RATE
+        self._says_due = not self._in_process and _takes_due_in(
+            decoder, "decode_codes" if layout is not None else "decode")  # fmt: skip
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -414,6 +424,8 @@ class DecodeStream:
             tail = tail[:0]
         out = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         # Order matters: state changes only once every decode of this call has succeeded.
+        if len(out) and self._first_audio is None:
+            self._first_audio = time.monotonic()  # the listener starts playing now
         if windows:
             self._emitted = windows[-1].r1
             self._decoded += sum(w.w1 - w.w0 for w in windows)
@@ -432,19 +444,30 @@ class DecodeStream:
         """SNAC: the window's codes per level, ``[(n·r_0,), (n·r_1,), ...]`` int32."""
         return _split_levels(self._window_ids(w), self._layout.level_rates)
 
+    def _due(self, w: _Window) -> dict[str, float]:
+        """``due_in`` for the request of window ``w``: the seconds until the listener, playing
+        since the first audio, reaches the start of ``w``'s region (0 before any audio, and for
+        a stream that has run dry); nothing for a decoder that does not take it."""
+        if not self._says_due:
+            return {}
+        if self._first_audio is None:
+            return {"due_in": 0.0}
+        ahead = (self._hop * w.r0 - len(self._tail)) / self._rate  # audio sent before w's region
+        return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic())}
+
     def _decode(self, w: _Window) -> np.ndarray:
         if self._layout is not None:
             if self._in_process:
                 return _snac_decode(self._decoder, self._window_levels(w), w.w0, self._noise_seed)
             audio = self._decoder.decode_codes(self._window_levels(w), dtype="float32",
                                                noise_seed=self._noise_seed, start_frame=w.w0,
-                                               timeout=self._timeout)  # fmt: skip
+                                               timeout=self._timeout, **self._due(w))  # fmt: skip
             return np.asarray(audio, dtype=np.float32)
         ids = self._window_ids(w)
         if self._in_process:
             return _model_decode(self._decoder, ids, self._globals)
         return np.asarray(
-            self._decoder.decode(ids, self._globals, dtype="float32", timeout=self._timeout),
+            self._decoder.decode(ids, self._globals, dtype="float32", timeout=self._timeout, **self._due(w)),
             dtype=np.float32,
         )
 
@@ -459,7 +482,7 @@ class DecodeStream:
             requests = [
                 self._decoder.decode_codes_async(self._window_levels(w), dtype="float32",
                                                  noise_seed=self._noise_seed, start_frame=w.w0,
-                                                 timeout=self._timeout)
+                                                 timeout=self._timeout, **self._due(w))
                 for w in windows
             ]  # fmt: skip
             return [np.asarray(a, dtype=np.float32) for a in await _all_of(requests)]
@@ -469,11 +492,21 @@ class DecodeStream:
             return await asyncio.to_thread(lambda: [_model_decode(model, i, glb) for i in ids])
         requests = [
             self._decoder.decode_async(
-                self._window_ids(w), self._globals, dtype="float32", timeout=self._timeout
+                self._window_ids(w), self._globals, dtype="float32", timeout=self._timeout, **self._due(w)
             )
             for w in windows
         ]
         return [np.asarray(a, dtype=np.float32) for a in await _all_of(requests)]
+
+
+def _takes_due_in(decoder: Any, method: str) -> bool:
+    """Whether ``decoder.method`` takes ``due_in`` (a ``DecoderClient`` does; a stand-in with
+    an older signature is called without it)."""
+    try:
+        params = inspect.signature(getattr(decoder, method)).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return any(p.name == "due_in" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 async def _all_of(requests: list) -> list:

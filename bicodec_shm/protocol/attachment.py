@@ -489,11 +489,12 @@ class Attachment(AsyncAnswers, SlotWaits):
     def submit(self, slot: int, seq: int, semantic: np.ndarray | Sequence[np.ndarray],
                global_ids: np.ndarray | None, dtype: int, notify: int, *,
                noise_seed: int = DEFAULT_NOISE_SEED, flags: int = 0,
-               start_frame: int = 0) -> None:  # fmt: skip
+               start_frame: int = 0, due_in_us: int = 0) -> None:  # fmt: skip
         """Write request ``seq`` into ``slot`` and ring the server.
 
         ``semantic``: level 0's codes (T,) int32, or every level's codes (validated against
-        ``self.codec``); ``global_ids`` (n_global,) int32, or None for a codec without them."""
+        ``self.codec``); ``global_ids`` (n_global,) int32, or None for a codec without them;
+        ``due_in_us``: microseconds from now until its audio is due (0: now)."""
         with self.use() as seg:
             levels = [semantic] if isinstance(semantic, np.ndarray) else semantic
             n = levels[0].shape[0]
@@ -509,6 +510,7 @@ class Attachment(AsyncAnswers, SlotWaits):
             f["noise_seed"][slot] = noise_seed
             f["flags"][slot] = flags
             f["start_frame"][slot] = start_frame
+            f["due_in_us"][slot] = due_in_us
             f["dtype"][slot] = dtype
             f["notify"][slot] = notify
             seg.request_id[slot] = (self.handle_id, self.generation[slot], seq)  # its identity

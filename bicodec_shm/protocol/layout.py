@@ -61,8 +61,9 @@ CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
 # codec's ``end_trim`` (an answer has the decoder's own length: DAC 24/16 kHz 8 samples short);
 # 9: answers dropped because their slot was freed under the batch are counted (``dropped``),
 # and a digest of the segment's description (``digest``); 10: a lane's deliberate waits for its
-# clients are counted apart from the host gap (``waited_ns``)
-LAYOUT_VERSION = 10
+# clients are counted apart from the host gap (``waited_ns``); 11: a request says when its audio
+# is due (``due_in_us``), and the server decodes what is due soonest first
+LAYOUT_VERSION = 11
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -251,6 +252,10 @@ SLOT_DT = np.dtype(
         # the full decode's noise there (0 for a whole utterance). Last, in what was the
         # record's tail padding: every other field keeps its offset and the record its size.
         ("start_frame", "<u4"),
+        # Microseconds after its submit at which the request's audio is due: a stream's audio
+        # still buffered at its listener (0: due now, as a whole utterance is). Client-written:
+        # the server caps it at MAX_DUE_IN_US and orders its plans by it (slot_io.py).
+        ("due_in_us", "<u4"),
     ],
     align=True,
 )

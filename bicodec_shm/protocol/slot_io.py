@@ -31,6 +31,10 @@ log = logging.getLogger("bicodec_shm.server")
 # the request (and never after it): garbage there must not overflow the server's accounting,
 # nor, being the batch order's key otherwise, let one client jump every queue.
 TRUSTED_QUEUE_NS = 3600 * 10**9
+# The latest a request may say its audio is due, after the server saw it (``due_in_us``): a
+# stream rarely holds more than a few seconds of audio ahead of its listener, and the cap keeps
+# a client-written value from postponing any request longer than this.
+MAX_DUE_IN_US = 30 * 10**6
 
 # The ufuncs themselves: ndarray.max() and np.clip() go through Python wrappers that cost as much
 # again as the reduction or the clipping of a few rows.
@@ -70,6 +74,13 @@ class Requests:
     noise_seeds: np.ndarray | None = None
     flags: np.ndarray | None = None
     start_frames: np.ndarray | None = None
+    # (B,) int64: when the request's audio is due, seen_ns plus its capped ``due_in_us``; the
+    # plans take what is due soonest first. None: due when seen (``due``).
+    due_ns: np.ndarray | None = None
+
+    def due(self) -> np.ndarray:
+        """(B,) int64: when each request's audio is due (its seen time where it says nothing)."""
+        return self.seen_ns if self.due_ns is None else self.due_ns
 
     def take(self, index: np.ndarray | list[int] | slice) -> Requests:
         """The rows ``index`` as a new ``Requests`` (``self`` if that is every row in order:
@@ -199,6 +210,7 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
         noise_seeds=rows["noise_seed"],
         flags=rows["flags"],
         start_frames=rows["start_frame"],
+        due_ns=seen + 1000 * np.minimum(rows["due_in_us"], MAX_DUE_IN_US).astype(np.int64),
     )
     return requests, failures
 
@@ -207,7 +219,7 @@ _FIELD = {name: i for i, name in enumerate(SLOT_DT.names)}
 # The fields _check_one reads, out of a header's tuple in one call.
 _PICK = operator.itemgetter(*(_FIELD[f] for f in (
     "state", "n_tokens", "n_global", "dtype", "req_generation", "generation", "notify",
-    "t_submit_ns", *REQUEST_ID, "noise_seed", "flags", "start_frame")))  # fmt: skip
+    "t_submit_ns", *REQUEST_ID, "noise_seed", "flags", "start_frame", "due_in_us")))  # fmt: skip
 
 
 def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Requests, list[Failure]]:
@@ -216,7 +228,7 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
     # A private copy, as above, as one tuple of Python scalars: np.void.copy() costs ~9 us.
     v = seg.slots[slot].item()
     (state, n, n_global, dtype, req_generation, generation, notify, t_submit,
-     *ids, seed, flags, start) = _PICK(v)
+     *ids, seed, flags, start, due_in) = _PICK(v)
     if state != READY:
         return _empty_requests(), []
     if (
@@ -231,7 +243,7 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
     submitted = min(max(t_submit, seen - TRUSTED_QUEUE_NS), seen)
     # Three arrays, one per dtype, and the fields as views of them: a numpy array from a list
     # costs ~1 us, a slice a fifth of that.
-    i64 = np.array((slot, n, submitted, seen), np.int64)
+    i64 = np.array((slot, n, submitted, seen, seen + 1000 * min(due_in, MAX_DUE_IN_US)), np.int64)
     u64 = np.array((*ids, seed), np.uint64)
     u32 = np.array((dtype, notify, flags, start), np.uint32)
     requests = Requests(
@@ -245,6 +257,7 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
         noise_seeds=u64[3:4],
         flags=u32[2:3],
         start_frames=u32[3:4],
+        due_ns=i64[4:5],
     )
     return requests, []
 
@@ -253,7 +266,8 @@ def _empty_requests() -> Requests:
     empty = [np.zeros(0, dt) for dt in (np.int64, np.int64, np.uint64, np.uint32, np.uint32,
                                         np.int64, np.int64)]  # fmt: skip
     empty[2] = np.zeros((0, 3), np.uint64)
-    return Requests(*empty, np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint32))
+    return Requests(*empty, np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint32),
+                    np.zeros(0, np.int64))  # fmt: skip
 
 
 def _problem(row: np.void | dict, max_tokens: int, n_bells: int, n_global: int) -> tuple[int, str]:

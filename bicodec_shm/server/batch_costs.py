@@ -290,8 +290,9 @@ class BatchPlanner:
 
     def plan(self, lengths: np.ndarray, seen_ns: np.ndarray, *, key: Hashable = None,
              max_rows: int | None = None) -> np.ndarray:  # fmt: skip
-        """Indices of the next batch among ready requests of ``lengths`` (R,) seen at
-        ``seen_ns`` (R,), longest first; at most ``max_rows`` rows (a lane's share)."""
+        """Indices of the next batch among ready requests of ``lengths`` (R,) due at ``seen_ns``
+        (R,: their seen times, or when their audio is due), longest first; at most ``max_rows``
+        rows (a lane's share). The one due soonest is always in it."""
         self.plans += 1
         rows = self.max_batch if max_rows is None else max(1, min(self.max_batch, max_rows))
         static = dict(max_batch=rows, max_batch_tokens=self.max_batch_tokens, min_fill=self.min_fill)

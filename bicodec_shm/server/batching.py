@@ -68,7 +68,9 @@ def plan_batch(
 
     Args:
         lengths: (R,) tokens of each ready request.
-        submitted_ns: (R,) submit times; the oldest request always goes first.
+        submitted_ns: (R,) when each request's audio is due (the server passes its seen time
+            plus the request's ``due_in``: ``Requests.due``); the soonest always goes first, so
+            a request is passed over only by ones due before it and never starves.
         joins: ``joins(rows, longest, length)``: may a row of ``length`` tokens join a batch of
             ``rows`` rows whose longest has ``longest`` tokens (None: every row that fits may)?
     Returns:

@@ -437,7 +437,9 @@ class DecoderServer:
                 self._rejoin.told_to_wait()
                 return WAIT
             self._rejoin.answered.clear()
-            chosen = self._planner.plan(ready.lengths, ready.seen_ns, key=key, max_rows=self._share(waiting))
+            # What is due soonest goes first: a stream whose listener is about to run dry before
+            # one with seconds of audio buffered, a whole utterance when it was submitted.
+            chosen = self._planner.plan(ready.lengths, ready.due(), key=key, max_rows=self._share(waiting))
             req = ready.take(chosen)
             chosen_slots = req.slots.tolist()
             for slot in chosen_slots:

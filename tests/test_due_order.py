@@ -1,0 +1,158 @@
+"""Requests are served by when their audio is due, not only by arrival.
+
+A request says how long until its audio is due (``due_in``: a stream's audio still buffered at its
+listener; 0, the default, for a whole utterance). The server keys its plans on seen time plus
+that, capped at ``MAX_DUE_IN_US``: a stream about to run dry goes before one with seconds of
+audio ahead, and a request is passed over only by ones due before it, so none starves.
+``DecodeStream`` sends its windows with the listener's clock: its first window at once."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+from support import SteppedDecoder, wait_submitted
+
+from bicodec_shm import DecoderClient, DecodeStream
+from bicodec_shm.client.requests import check_due_in
+from bicodec_shm.protocol import layout
+from bicodec_shm.protocol.layout import READY
+from bicodec_shm.protocol.names import random_name
+from bicodec_shm.protocol.segment import Segment
+from bicodec_shm.protocol.slot_io import MAX_DUE_IN_US, check_headers
+from bicodec_shm.server.batching import plan_batch
+
+GLB = np.arange(32) % 4096
+S = 10**9
+
+
+def _plan(lengths, due, max_batch=1):
+    return plan_batch(np.asarray(lengths, np.int64), np.asarray(due, np.int64), max_batch=max_batch,
+                      max_batch_tokens=None).tolist()  # fmt: skip
+
+
+def test_the_request_due_soonest_goes_first_whatever_its_arrival():
+    # seen at 0, 1 and 2 s; the first says its audio is due 5 s after it was seen
+    assert _plan([3, 4, 5], [5 * S, 1 * S, 2 * S]) == [1]
+
+
+def test_a_request_due_later_is_passed_only_by_requests_due_before_it():
+    """Its due time does not move: newcomers due after it (seen later, due now) queue behind it."""
+    pending = {"later": 5 * S}  # seen at 0, due at 5 s
+    served = []
+    for t in range(1, 9):  # one newcomer a second, each due when seen, one row a plan
+        pending[f"new@{t}"] = t * S
+        names = list(pending)
+        (pick,) = _plan([4] * len(names), [pending[n] for n in names])
+        served.append(names[pick])
+        del pending[names[pick]]
+    assert served.index("later") == 4  # after the newcomers due at 1..4 s, before the one at 5 s
+
+
+@pytest.mark.parametrize("value", [-1, -0.001, math.nan, "soon", None, True])
+def test_due_in_must_be_a_number_of_seconds_at_least_zero(value):
+    with pytest.raises(ValueError, match="due_in must be a number of seconds >= 0"):
+        check_due_in(value)
+
+
+def test_due_in_is_sent_in_microseconds_and_capped():
+    assert check_due_in(0) == 0 and check_due_in(0.25) == 250_000
+    assert check_due_in(1e9) == check_due_in(math.inf) == MAX_DUE_IN_US
+
+
+def test_the_server_caps_a_client_written_due_time_on_both_header_paths():
+    """A garbage ``due_in_us`` (any u32) postpones its own request by at most the cap."""
+    seg = Segment.create(random_name("bcshm-test"), n_slots=3, max_tokens=10)
+    try:
+        seg.start_serving()
+        written = (0, 1_500_000, 2**32 - 1)
+        for slot, due_in in enumerate(written):
+            seg.tokens[slot, :2] = 5
+            seg.request_id[slot] = (7, int(seg.slots["generation"][slot]), 1)
+            for field, value in dict(n_tokens=2, n_global=32, dtype=0, notify=layout.NO_BELL,
+                                     due_in_us=due_in, state=READY).items():  # fmt: skip
+                seg.slots[field][slot] = value
+        seen = np.full(3, time.monotonic_ns(), np.int64)
+        expected = [seen[0] + 1000 * min(d, MAX_DUE_IN_US) for d in written]
+        req, failures = check_headers(seg, np.arange(3), seen, n_bells=3)
+        assert not failures and req.due().tolist() == expected
+        for slot in range(3):  # one slot alone takes the scalar path (_check_one)
+            one, failures = check_headers(seg, np.array([slot]), seen[:1], n_bells=3)
+            assert not failures and one.due().tolist() == [expected[slot]]
+    finally:
+        seg.stop_serving()
+        seg.unlink()
+        seg.close()
+
+
+class _LengthLog(SteppedDecoder):
+    """A stepped decoder that also records the lengths of each batch's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[list[int]] = []
+
+    def detokenize(self, semantic_ids, global_ids, lengths):
+        self.lengths.append([int(n) for n in lengths])
+        return super().detokenize(semantic_ids, global_ids, lengths)
+
+
+def test_the_server_decodes_a_stream_about_to_run_dry_before_one_with_audio_ahead(thread_server, shm_name,
+                                                                                   monkeypatch):
+    """Real server, real shared memory, one row a batch: behind a running batch wait a request
+    due in 5 s, then two due now; the two due now are decoded first and the one due later after
+    them (not dropped, not starved). The server confirms all three in one scan, so they share a
+    seen time; claims take the lowest free slot here, so the one due later has the lowest slot
+    and a plan by arrival alone would take it first."""
+    monkeypatch.setattr("bicodec_shm.protocol.attachment.random.randrange", lambda n: 0)
+    decoder = _LengthLog()
+    server = thread_server(decoder, max_batch=1, lanes=1)
+    results: dict[int, np.ndarray] = {}
+    with DecoderClient(shm_name, slots=8) as client:
+        def decode(n: int, due_in: float) -> None:
+            results[n] = client.decode(np.arange(n) % 8192, GLB, due_in=due_in, timeout=30)
+
+        threads = [threading.Thread(target=decode, args=(2, 0.0))]
+        threads[0].start()
+        decoder.wait_entered(1)  # the 2-token request is in the decoder; the rest queue behind it
+        for count, (n, due_in) in enumerate([(3, 5.0), (5, 0.0), (7, 0.0)], start=2):
+            threads.append(threading.Thread(target=decode, args=(n, due_in)))
+            threads[-1].start()
+            wait_submitted(server.segment, count, server=server)
+        for _ in range(4):
+            decoder.step()
+        for t in threads:
+            t.join(30)
+    assert decoder.lengths == [[2], [5], [7], [3]]
+    assert sorted(results) == [2, 3, 5, 7] and all(len(results[n]) == 320 * n for n in results)
+
+
+class _DueLog:
+    """A stand-in client that records each window's ``due_in`` and returns silence at once."""
+
+    def __init__(self) -> None:
+        self.due: list[float] = []
+
+    def decode(self, semantic_ids, global_ids, *, dtype="int16", timeout=None, due_in=0.0):
+        self.due.append(due_in)
+        return np.zeros(320 * len(semantic_ids), np.float32)
+
+    async def decode_async(self, semantic_ids, global_ids, *, dtype="int16", timeout=None, due_in=0.0):
+        return self.decode(semantic_ids, global_ids, due_in=due_in)
+
+
+def test_a_stream_sends_its_first_window_due_now_and_later_ones_by_the_audio_ahead():
+    log = _DueLog()
+    stream = DecodeStream(log, GLB, preset="default")
+    s = stream.settings
+    first = stream.push(np.arange(s.first_chunk + s.lookahead))  # the first region, at once
+    assert first and log.due == [0.0]
+    played_from = time.monotonic()
+    ahead = len(first) // 2 / 16000  # seconds of audio the listener holds now
+    stream.push(np.arange(s.chunk_tokens))  # the next region: due when the first has played
+    assert len(log.due) == 2
+    assert 0 < log.due[1] <= ahead + (time.monotonic() - played_from) + 1e-3
+    assert log.due[1] >= ahead - (time.monotonic() - played_from) - 0.05

@@ -520,3 +520,17 @@ def prepare_unprivileged_python(
                                    f"{top}: " + "; ".join(tried))  # fmt: skip
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def plant_ready(seg, slot: int, **fields) -> None:
+    """Write a READY request of 2 tokens (id 5) into ``slot`` of a segment this test serves
+    itself, as a client's submit would (a valid identity at the slot's claim epoch), with
+    ``fields`` (slot field -> value) over the defaults; for reading it back with
+    ``slot_io.check_headers``."""
+    from bicodec_shm.protocol.layout import NO_BELL, READY
+
+    seg.tokens[slot, :2] = 5
+    seg.request_id[slot] = (7, int(seg.slots["generation"][slot]), 1)
+    header = dict(n_tokens=2, n_global=32, dtype=0, notify=NO_BELL, **fields)
+    for field, value in {**header, "state": READY}.items():  # the state word last
+        seg.slots[field][slot] = value

@@ -21,6 +21,7 @@ from conftest import ROOT, serve_command, wait_until_serving
 from support import (
     GatedDecoder,
     ReadLog,
+    plant_ready,
     reference_model,
     seed_int16,
     seeded_request,
@@ -37,7 +38,7 @@ from bicodec_shm.errors import (
     ServerAlreadyRunningError,
     ServerUnavailableError,
 )
-from bicodec_shm.protocol import layout, locks, names, segment
+from bicodec_shm.protocol import locks, names, segment
 from bicodec_shm.protocol.group import totals
 from bicodec_shm.protocol.layout import FREE_BELL_CAP, READY, Phase, SlotState
 from bicodec_shm.protocol.names import leftover_objects, random_name, remove_dead, reserve_name, unlink_all
@@ -188,11 +189,7 @@ def test_s6_batch_order_and_queue_times_never_trust_a_client_written_time():
     try:
         seg.start_serving()
         for slot, t in ((0, 0), (1, 2**64 - 1), (2, time.monotonic_ns())):
-            seg.tokens[slot, :2] = 5
-            seg.request_id[slot] = (7, int(seg.slots["generation"][slot]), 1)
-            for field, value in dict(n_tokens=2, n_global=32, dtype=0, notify=layout.NO_BELL,
-                                     t_submit_ns=t, state=READY).items():  # fmt: skip
-                seg.slots[field][slot] = value
+            plant_ready(seg, slot, t_submit_ns=t)
         seen = np.full(3, time.monotonic_ns(), np.int64)
         req, failures = check_headers(seg, np.arange(3), seen, n_bells=3)
         assert not failures and len(req) == 3

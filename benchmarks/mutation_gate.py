@@ -942,6 +942,11 @@ MUTANTS: tuple[Mutant, ...] = (
       'due_ns=seen + 1000 * np.minimum(rows["due_in_us"], MAX_DUE_IN_US).astype(np.int64),',
       'due_ns=seen + 1000 * rows["due_in_us"].astype(np.int64),',
       "tests/test_due_order.py", "-k", "caps"),
+    m("due-time-not-converted-at-the-submit", "a request's due time is not turned into the time left "
+      "at its submit: every one that names one goes out as due in 30 s", "bicodec_shm/protocol/attachment.py",
+      'f["due_in_us"][slot] = min(max(0, due_at_ns - now) // 1000, MAX_DUE_IN_US)',
+      'f["due_in_us"][slot] = MAX_DUE_IN_US if due_at_ns else 0',
+      "tests/test_due_order.py", "-k", "written"),
     m("stream-windows-always-due-now", "a stream says every window is due now, whatever audio its "
       "listener holds", "bicodec_shm/client/streaming.py",
       'return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic())}',

@@ -14,15 +14,15 @@ import time
 
 import numpy as np
 import pytest
-from support import SteppedDecoder, wait_submitted
+from support import SteppedDecoder, plant_ready, wait_submitted
 
 from bicodec_shm import DecoderClient, DecodeStream
-from bicodec_shm.client.requests import check_due_in
-from bicodec_shm.protocol import layout
-from bicodec_shm.protocol.layout import READY
+from bicodec_shm.client.requests import due_time
+from bicodec_shm.protocol.attachment import Attachment
+from bicodec_shm.protocol.layout import MAX_DUE_IN_US, NO_BELL
 from bicodec_shm.protocol.names import random_name
 from bicodec_shm.protocol.segment import Segment
-from bicodec_shm.protocol.slot_io import MAX_DUE_IN_US, check_headers
+from bicodec_shm.protocol.slot_io import check_headers
 from bicodec_shm.server.batching import plan_batch
 
 GLB = np.arange(32) % 4096
@@ -55,12 +55,35 @@ def test_a_request_due_later_is_passed_only_by_requests_due_before_it():
 @pytest.mark.parametrize("value", [-1, -0.001, math.nan, "soon", None, True])
 def test_due_in_must_be_a_number_of_seconds_at_least_zero(value):
     with pytest.raises(ValueError, match="due_in must be a number of seconds >= 0"):
-        check_due_in(value)
+        due_time(value)
 
 
-def test_due_in_is_sent_in_microseconds_and_capped():
-    assert check_due_in(0) == 0 and check_due_in(0.25) == 250_000
-    assert check_due_in(1e9) == check_due_in(math.inf) == MAX_DUE_IN_US
+def test_due_in_is_written_as_the_microseconds_left_at_the_submit_and_capped():
+    """The due time is fixed when the call is made and converted at the submit: a request that
+    waited for a slot (or is resubmitted to a restarted server) is due that much sooner."""
+    cases = (0, due_time(0.25), due_time(1e9), due_time(math.inf), time.monotonic_ns() - 10**9)
+    seg = Segment.create(random_name("bcshm-test"), n_slots=len(cases), max_tokens=10)
+    att = None
+    try:
+        seg.start_serving()
+        att = Attachment(seg.name, max_slots=len(cases), owner_uid=None)
+        written = []
+        for due_at in cases:  # one slot each, all left READY: no server reads them here
+            seq = att.new_seq()
+            slot, _ = att.take_slot(time.monotonic() + 5, seq)
+            att.submit(slot, seq, np.array([5, 5], np.int32), GLB.astype(np.int32), 0, NO_BELL,
+                       due_at_ns=due_at)  # fmt: skip
+            written.append(int(seg.slots["due_in_us"][slot]))
+        assert written[0] == 0 and 200_000 < written[1] <= 250_000
+        # capped at the call (30 s from then), less what passed before the submit
+        assert all(MAX_DUE_IN_US - 200_000 < w <= MAX_DUE_IN_US for w in written[2:4])
+        assert written[4] == 0  # a due time already past: due now
+    finally:
+        if att is not None:
+            att.close(RuntimeError("test over"), wait=0)
+        seg.stop_serving()
+        seg.unlink()
+        seg.close()
 
 
 def test_the_server_caps_a_client_written_due_time_on_both_header_paths():
@@ -70,11 +93,7 @@ def test_the_server_caps_a_client_written_due_time_on_both_header_paths():
         seg.start_serving()
         written = (0, 1_500_000, 2**32 - 1)
         for slot, due_in in enumerate(written):
-            seg.tokens[slot, :2] = 5
-            seg.request_id[slot] = (7, int(seg.slots["generation"][slot]), 1)
-            for field, value in dict(n_tokens=2, n_global=32, dtype=0, notify=layout.NO_BELL,
-                                     due_in_us=due_in, state=READY).items():  # fmt: skip
-                seg.slots[field][slot] = value
+            plant_ready(seg, slot, due_in_us=due_in)
         seen = np.full(3, time.monotonic_ns(), np.int64)
         expected = [seen[0] + 1000 * min(d, MAX_DUE_IN_US) for d in written]
         req, failures = check_headers(seg, np.arange(3), seen, n_bells=3)

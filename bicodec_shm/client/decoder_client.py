@@ -58,7 +58,7 @@ from ..protocol.layout import FLAG_NO_NOISE, N_GLOBAL, NO_BELL
 from ..protocol.names import ServerState, probe, validate_name
 from ..protocol.served import describe_served
 from ..protocol.waiting import SLICE, Gone
-from .requests import Request, check_codec, check_due_in, check_for_layout, fit, submit
+from .requests import Request, check_codec, check_for_layout, due_time, fit, submit
 from .router import GroupRouter
 
 DEFAULT_TIMEOUT = 30.0
@@ -419,7 +419,7 @@ class DecoderClient:
         globals_ = as_token_array(global_ids, what="global_ids", vocab=BICODEC.global_vocab,
                                   max_len=N_GLOBAL, exact_len=N_GLOBAL)  # fmt: skip
         return Request("bicodec", None, [semantic], globals_, output_dtype_code(dtype),
-                       due_in_us=check_due_in(due_in), checked=BICODEC)  # fmt: skip
+                       due_at_ns=due_time(due_in), checked=BICODEC)  # fmt: skip
 
     def _prepare_codes(self, levels: Any, global_ids: Any, noise_seed: int, noise: bool,
                        dtype: str, codec: str | None, *, kind: str = "codes",
@@ -435,7 +435,7 @@ class DecoderClient:
             raise ValueError(f"noise must be True or False, got {noise!r}")
         request = Request(kind, codec, levels, global_ids, output_dtype_code(dtype),
                            check_noise_seed(noise_seed), 0 if noise else FLAG_NO_NOISE,
-                           check_start_frame(start_frame), check_due_in(due_in))  # fmt: skip
+                           check_start_frame(start_frame), due_time(due_in))  # fmt: skip
         layout = LAYOUTS[codec] if codec is not None else self._codec
         try:
             check_for_layout(request, layout, MAX_FRAMES, self.name, limit=ANY_SLOT_LIMIT)

@@ -9,6 +9,7 @@ there, before anything is written. numpy only.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,18 +17,19 @@ import numpy as np
 from ..codecs.layout import DEFAULT_NOISE_SEED, LAYOUTS, CodecLayout, check_request
 from ..codecs.validation import SLOT_LIMIT, as_token_array
 from ..protocol.attachment import Attachment
-from ..protocol.layout import N_GLOBAL
-from ..protocol.slot_io import MAX_DUE_IN_US
+from ..protocol.layout import MAX_DUE_IN_US, N_GLOBAL
 
 
-def check_due_in(due_in: float) -> int:
-    """``due_in`` seconds as the request's ``due_in_us``: how long until its audio is due (a
-    stream's audio still buffered at its listener); the server decodes what is due soonest
-    first and caps this at ``MAX_DUE_IN_US``. A negative, NaN or non-number ``due_in`` is a
-    ``ValueError``."""
+def due_time(due_in: float) -> int:
+    """The CLOCK_MONOTONIC time (ns) at which audio due in ``due_in`` seconds from now is due
+    (a stream's audio still buffered at its listener), or 0 for ``due_in`` 0: due whenever it
+    is sent. The server decodes what is due soonest first and caps it at ``MAX_DUE_IN_US`` after
+    the submit. A negative, NaN or non-number ``due_in`` is a ``ValueError``."""
     if isinstance(due_in, bool) or not isinstance(due_in, (int, float)) or not due_in >= 0:
         raise ValueError(f"due_in must be a number of seconds >= 0, got {due_in!r}")
-    return int(min(due_in * 1e6, MAX_DUE_IN_US))
+    if due_in == 0:
+        return 0
+    return time.monotonic_ns() + int(min(due_in, MAX_DUE_IN_US / 1e6) * 1e9)
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Request:
     noise_seed: int = DEFAULT_NOISE_SEED
     flags: int = 0  # FLAG_NO_NOISE
     start_frame: int = 0  # SNAC: where a streaming window starts in its utterance
-    due_in_us: int = 0  # when its audio is due, from its submit (a stream's buffered audio)
+    due_at_ns: int = 0  # CLOCK_MONOTONIC time its audio is due (``due_time``); 0: due when sent
     checked: CodecLayout | None = None  # the layout it was last checked against
 
 
@@ -88,7 +90,7 @@ def _fit_bicodec(att: Attachment, semantic: np.ndarray,
 def submit(att: Attachment, slot: int, seq: int, request: Request, bell: int) -> None:
     att.submit(slot, seq, request.levels, request.global_ids, request.dtype, bell,
                noise_seed=request.noise_seed, flags=request.flags,
-               start_frame=request.start_frame, due_in_us=request.due_in_us)  # fmt: skip
+               start_frame=request.start_frame, due_at_ns=request.due_at_ns)  # fmt: skip
 
 
 def check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -> None:

@@ -61,7 +61,7 @@ import posix_ipc
 from ..codecs.layout import DEFAULT_NOISE_SEED
 from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
 from .async_answers import AsyncAnswers, resolve
-from .layout import CLAIMED, DONE, FREE, READY, OutputDtype, Phase, Status
+from .layout import CLAIMED, DONE, FREE, MAX_DUE_IN_US, READY, OutputDtype, Phase, Status
 from .segment import Segment, drain, post
 from .slot_waits import SlotWaits
 from .waiting import SLICE, Gone, Line, Wakeups
@@ -489,12 +489,14 @@ class Attachment(AsyncAnswers, SlotWaits):
     def submit(self, slot: int, seq: int, semantic: np.ndarray | Sequence[np.ndarray],
                global_ids: np.ndarray | None, dtype: int, notify: int, *,
                noise_seed: int = DEFAULT_NOISE_SEED, flags: int = 0,
-               start_frame: int = 0, due_in_us: int = 0) -> None:  # fmt: skip
+               start_frame: int = 0, due_at_ns: int = 0) -> None:  # fmt: skip
         """Write request ``seq`` into ``slot`` and ring the server.
 
         ``semantic``: level 0's codes (T,) int32, or every level's codes (validated against
         ``self.codec``); ``global_ids`` (n_global,) int32, or None for a codec without them;
-        ``due_in_us``: microseconds from now until its audio is due (0: now)."""
+        ``due_at_ns``: the CLOCK_MONOTONIC time its audio is due (0: due now), written as the
+        microseconds left at this submit: a request that waited for a slot, or is resubmitted
+        to a restarted server, is due that much sooner."""
         with self.use() as seg:
             levels = [semantic] if isinstance(semantic, np.ndarray) else semantic
             n = levels[0].shape[0]
@@ -510,12 +512,12 @@ class Attachment(AsyncAnswers, SlotWaits):
             f["noise_seed"][slot] = noise_seed
             f["flags"][slot] = flags
             f["start_frame"][slot] = start_frame
-            f["due_in_us"][slot] = due_in_us
             f["dtype"][slot] = dtype
             f["notify"][slot] = notify
             seg.request_id[slot] = (self.handle_id, self.generation[slot], seq)  # its identity
             f["status"][slot] = Status.OK
-            f["t_submit_ns"][slot] = time.monotonic_ns()
+            now = f["t_submit_ns"][slot] = time.monotonic_ns()
+            f["due_in_us"][slot] = min(max(0, due_at_ns - now) // 1000, MAX_DUE_IN_US)
             # Order matters: payload and fields above, then the state word, then req.I (the
             # server reads the request only after taking it), then the wake-up doorbell.
             f["state"][slot] = READY

@@ -259,6 +259,10 @@ SLOT_DT = np.dtype(
     ],
     align=True,
 )
+# The latest a request may say its audio is due, after its submit (``due_in_us``): a stream
+# rarely holds more than a few seconds of audio ahead of its listener, and the cap keeps a
+# client-written value from postponing any request longer than this.
+MAX_DUE_IN_US = 30 * 10**6
 REQUEST_ID = ("handle_id", "req_generation", "request_seq")
 RESULT_ID = ("result_handle", "result_generation", "result_seq")
 for _id in (REQUEST_ID, RESULT_ID):

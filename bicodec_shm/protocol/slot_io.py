@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .layout import BUSY, DONE, ERROR_TEXT_BYTES, NO_BELL, READY, REQUEST_ID, SLOT_DT, Status
+from .layout import BUSY, DONE, ERROR_TEXT_BYTES, MAX_DUE_IN_US, NO_BELL, READY, REQUEST_ID, SLOT_DT, Status
 from .segment import Segment, post
 
 log = logging.getLogger("bicodec_shm.server")
@@ -31,10 +31,6 @@ log = logging.getLogger("bicodec_shm.server")
 # the request (and never after it): garbage there must not overflow the server's accounting,
 # nor, being the batch order's key otherwise, let one client jump every queue.
 TRUSTED_QUEUE_NS = 3600 * 10**9
-# The latest a request may say its audio is due, after the server saw it (``due_in_us``): a
-# stream rarely holds more than a few seconds of audio ahead of its listener, and the cap keeps
-# a client-written value from postponing any request longer than this.
-MAX_DUE_IN_US = 30 * 10**6
 
 # The ufuncs themselves: ndarray.max() and np.clip() go through Python wrappers that cost as much
 # again as the reduction or the clipping of a few rows.

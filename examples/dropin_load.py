@@ -142,7 +142,8 @@ def _worker(target, index, settings, barrier, results) -> None:
 
 
 def summary(mode: str, workers: int, records: list[Record], wall: float,
-            server: str | None) -> dict[str, Any]:  # fmt: skip
+            server: str | None, threads: int) -> dict[str, Any]:  # fmt: skip
+    """One row of the table; ``threads``: each own decoder's torch threads, or the server's."""
     ttfa = sorted(r.ttfa_s for r in records)
     audio = sum(r.audio_s for r in records)
     return {
@@ -150,6 +151,7 @@ def summary(mode: str, workers: int, records: list[Record], wall: float,
         "server": server,
         "audio_s": audio,
         "streams": workers,
+        "threads": threads,
         "utterances": len(records),
         "ttfa_p50_ms": 1000 * ttfa[len(ttfa) // 2],
         "ttfa_p95_ms": 1000 * ttfa[min(len(ttfa) - 1, (95 * len(ttfa)) // 100)],
@@ -209,9 +211,8 @@ def main(args: Any, target: Callable[..., list[Record]], server_options: list[st
             finally:
                 if server is not None:
                     stop_server(server)
-            rows.append(summary(mode, workers, records, wall, name if server is not None else None))
-            # torch threads: each own decoder's, or the one server's
-            rows[-1]["threads"] = server_threads(args) if server is not None else run["threads"]
+            threads = server_threads(args) if server is not None else run["threads"]
+            rows.append(summary(mode, workers, records, wall, name if server is not None else None, threads))
             print(row_line(rows[-1]), flush=True)
     print(machine_line(), flush=True)
     if args.json:

@@ -951,6 +951,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "listener holds", "bicodec_shm/client/streaming.py",
       'return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic())}',
       'return {"due_in": 0.0}', "tests/test_due_order.py", "-k", "first_window"),
+    m("waiter-dies-on-a-close-before-its-sleep", "the asyncio waiter thread lets a close that came "
+      "between its check and its sleep escape as ClientClosedError", "bicodec_shm/protocol/async_answers.py",
+      "                if self.retired is not None:\n                    return\n                raise",
+      "                raise", "tests/test_client.py", "-k", "waiter_threads_check"),
 )
 
 

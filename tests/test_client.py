@@ -27,8 +27,15 @@ from support import (
 )
 
 from bicodec_shm.client.decoder_client import DecoderClient
-from bicodec_shm.errors import BiCodecShmError, DecodeTimeoutError, ServerUnavailableError
+from bicodec_shm.errors import (
+    BiCodecShmError,
+    ClientClosedError,
+    DecodeTimeoutError,
+    ServerUnavailableError,
+)
+from bicodec_shm.protocol.attachment import Attachment
 from bicodec_shm.protocol.layout import HOP, SlotState
+from bicodec_shm.protocol.segment import Segment
 
 GLB = list(range(32))
 
@@ -257,6 +264,33 @@ def test_the_at_fork_hook_resets_the_handle_in_the_child_before_any_call(thread_
         assert client._att is not None and client.decode([9, 9, 9], GLB).shape == (3 * HOP,)
     finally:
         client.close()
+
+
+def test_a_close_between_the_waiter_threads_check_and_its_sleep_ends_it_quietly(shm_name):
+    """``close`` may retire an attachment after its asyncio waiter thread looked (not retired)
+    and before the thread takes the mapping to sleep on its bell: the thread must end there,
+    not die with ``ClientClosedError`` (an unhandled exception in a thread of the caller's)."""
+    seg = Segment.create(shm_name, n_slots=2, max_tokens=10)
+    att = None
+    try:
+        seg.start_serving()
+        att = Attachment(seg.name, max_slots=2, owner_uid=None)
+        att.bell = 0  # a bell is held: the loop sleeps on it through ``use()``
+        sleep_on_bell = att._sleep_on_bell
+
+        def closed_in_between(bell):
+            att.retire(ClientClosedError("closed by another thread"))
+            return sleep_on_bell(bell)
+
+        att._sleep_on_bell = closed_in_between
+        att._wait_loop()  # returns; raised ClientClosedError before
+        assert isinstance(att.retired, ClientClosedError)
+    finally:
+        if att is not None:
+            att.close(RuntimeError("test over"), wait=0)
+        seg.stop_serving()
+        seg.unlink()
+        seg.close()
 
 
 def test_close_gives_slots_back_and_is_idempotent(thread_server, shm_name):

@@ -20,7 +20,7 @@ from typing import Any
 
 import posix_ipc
 
-from ..errors import DecodeError
+from ..errors import BiCodecShmError, DecodeError
 from .layout import NO_BELL
 from .segment import drain
 from .waiting import SLICE, Gone
@@ -106,6 +106,12 @@ class AsyncAnswers:
             except Gone:
                 self.retire_gone()
                 return
+            except BiCodecShmError:
+                # Retired (closed) after the check above and before the sleep took the
+                # mapping: ``retire`` already failed every pending future, nothing is left.
+                if self.retired is not None:
+                    return
+                raise
             if not woke and not self.serving():
                 self.retire_gone()
                 return

@@ -662,9 +662,9 @@ MUTANTS: tuple[Mutant, ...] = (
     m("probe-trusts-the-names-owner", "probe takes the owner from a stat of the name: another "
       "user's object with its SERVING byte held probes SERVING", "bicodec_shm/protocol/names.py",
       "        fd = open_object(name, owner_uid=owner_uid)\n    except (posix_ipc.Error, BiCodecShmError):\n"
-      "        return ServerState.ABSENT",
+      "        # Not ours to open",
       "        fd = open_object(name, owner_uid=os.stat(f'/dev/shm/{name}').st_uid)\n"
-      "    except (posix_ipc.Error, BiCodecShmError, OSError):\n        return ServerState.ABSENT",
+      "    except (posix_ipc.Error, BiCodecShmError, OSError):\n        # Not ours to open",
       "tests/test_foreign_objects.py", "-k", "healthz"),
     m("open-object-follows-links", "a name is opened through a symbolic link, to a file of ours",
       "bicodec_shm/protocol/objects.py", "os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | flags",
@@ -710,7 +710,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- a buggy or hostile client harms only its own requests ------------------------------------
     m("drain-runs-until-the-semaphore-is-empty", "a drain that takes posts until none is left: one "
       "client posting in a tight loop outruns it and the server never leaves its scan",
-      "bicodec_shm/protocol/segment.py",
+      "bicodec_shm/protocol/posts.py",
       "    for n in range(most):\n        try:\n            sem.acquire(0)\n"
       "        except posix_ipc.BusyError:\n            return n\n    return most\n",
       "    n = 0\n    while True:\n        try:\n            sem.acquire(0)\n"
@@ -951,6 +951,25 @@ MUTANTS: tuple[Mutant, ...] = (
       "listener holds", "bicodec_shm/client/streaming.py",
       'return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic())}',
       'return {"due_in": 0.0}', "tests/test_due_order.py", "-k", "first_window"),
+    m("shared-segment-may-shrink", "a segment shared with the group is sealed against growing only: a "
+      "member may truncate it", "bicodec_shm/protocol/handoff.py",
+      "SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL",
+      "SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL", "tests/test_group_access.py", "-k", "resize"),
+    m("name-object-takes-the-shared-mode", "the name's own object (its OWNER and SERVING locks) is "
+      "created with the group's mode", "bicodec_shm/protocol/layout.py",
+      "    return mode & 0o700", "    return mode", "tests/test_group_access.py", "-k", "resize"),
+    m("handoff-peer-uid-unchecked", "a client takes the segment from whoever listens on NAME.sock",
+      "bicodec_shm/protocol/handoff.py", "        if uid != expected:", "        if False:",
+      "tests/test_group_access.py", "-k", "another_user_listens"),
+    m("handoff-hang-up-unseen", "a client attached over the socket never sees its server's end close",
+      "bicodec_shm/protocol/handoff.py",
+      "            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b\"\"",
+      "            return True", "tests/test_group_access.py", "-k", "crashed"),
+    m("member-gives-up-while-the-socket-is-down", "a member of the group that finds no NAME.sock "
+      "(its server restarting) fails at once instead of waiting", "bicodec_shm/protocol/objects.py",
+      "    return (stat.S_ISREG(st.st_mode) and st.st_uid == expected",
+      "    return False and (stat.S_ISREG(st.st_mode) and st.st_uid == expected",
+      "tests/test_group_access.py", "-k", "crashed"),
     m("waiter-dies-on-a-close-before-its-sleep", "the asyncio waiter thread lets a close that came "
       "between its check and its sleep escape as ClientClosedError", "bicodec_shm/protocol/async_answers.py",
       "                if self.retired is not None:\n                    return\n                raise",

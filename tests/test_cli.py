@@ -372,7 +372,8 @@ def test_world_access_with_the_flag_warns_and_applies_the_mode(shm_name, capsys)
     def drive():
         try:
             wait_until_serving(shm_name, timeout=60)
-            seen["mode"] = os.stat(f"/dev/shm/{shm_name}").st_mode & 0o777
+            seen["mode"] = os.stat(f"/dev/shm/{shm_name}.sock").st_mode & 0o777  # attached over it
+            seen["name's mode"] = os.stat(f"/dev/shm/{shm_name}").st_mode & 0o777
         finally:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -381,7 +382,7 @@ def test_world_access_with_the_flag_warns_and_applies_the_mode(shm_name, capsys)
     rc = main(["serve", "--preset", "tiny", "--name", shm_name, "--slots", "2", "--threads", "1",
                "--mode", "0o604", "--allow-world-access"])  # fmt: skip
     t.join(30)
-    assert rc == 0 and seen["mode"] == 0o604
+    assert rc == 0 and seen["mode"] == 0o604 and seen["name's mode"] == 0o600
     assert "warning: --mode 0o604 lets every user of this host attach" in capsys.readouterr().err
 
 

@@ -22,7 +22,7 @@ import posix_ipc
 
 from ..errors import BiCodecShmError, DecodeError
 from .layout import NO_BELL
-from .segment import drain
+from .posts import drain
 from .waiting import SLICE, Gone
 
 _BELL_IDLE = 2.0  # seconds without async requests before the waiter thread and bell go away

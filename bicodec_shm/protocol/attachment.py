@@ -62,7 +62,8 @@ from ..codecs.layout import DEFAULT_NOISE_SEED
 from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
 from .async_answers import AsyncAnswers, resolve
 from .layout import CLAIMED, DONE, FREE, MAX_DUE_IN_US, READY, OutputDtype, Phase, Status
-from .segment import Segment, drain, post
+from .posts import drain, post
+from .segment import Segment
 from .slot_waits import SlotWaits
 from .waiting import SLICE, Gone, Line, Wakeups
 

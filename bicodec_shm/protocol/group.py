@@ -7,6 +7,8 @@ group under ``N`` itself, as a one-page object instead of a segment::
     /dev/shm/N      the group object (GROUP_DT): magic "BCDC_GRP", version, member count,
                     each member's device and restart count
     /dev/shm/N.K    member K: an ordinary segment and its semaphores (segment.py)
+    /dev/shm/N.sock with ``--mode 0o660``: hands the group object, a copy in a sealed memfd,
+                    to the group's members (handoff.py); N itself stays the user's alone
 
 The group object is owned exactly like a segment (see locks.py): the supervisor
 creates it O_CREX through ``names._own_name`` and holds its OWNER byte from creating the
@@ -36,8 +38,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import SegmentError, ServerAlreadyRunningError
+from .handoff import Handoff, remove_stale_socket, snapshot
 from .header import read_record, stats_from_header
-from .layout import COUNTERS, DEFAULT_MODE, GROUP_MAGIC, HEADER_DT, MAGIC, SERVING_BYTE
+from .layout import (
+    COUNTERS,
+    DEFAULT_MODE,
+    GROUP_MAGIC,
+    HEADER_DT,
+    MAGIC,
+    SERVING_BYTE,
+    name_mode,
+    shared_mode,
+)
 from .locks import close_lock_fd, try_lock, unlock
 from .names import ServerState, _own_name, _same_inode, _unlink_segment, probe, size_new_object, validate_name
 
@@ -99,10 +111,17 @@ class GroupObject:
     # the open file description and so the locks.
     _fd: int = -1
 
-    def __init__(self, name: str, fd: int, devices: tuple[str, ...]) -> None:
+    # A group shared with the server's group (``--mode 0o660``) hands its record over
+    # NAME.sock like a shared segment (handoff.py): a snapshot in a memfd sealed against any
+    # write, per connection, so the name's own object stays the user's alone (no member can
+    # take its locks) and no member can change the record another reads.
+    _handoff: Handoff | None = None
+
+    def __init__(self, name: str, fd: int, devices: tuple[str, ...], *, mode: int = DEFAULT_MODE) -> None:
         self.name = name
         self.devices = devices
         self._fd = fd
+        self._mode = mode
 
     @classmethod
     def create(cls, name: str, devices: list[str] | tuple[str, ...], *, mode: int = DEFAULT_MODE,
@@ -118,12 +137,13 @@ class GroupObject:
             if not device or len(device.encode()) > DEVICE_BYTES:
                 raise ValueError(f"device names must be 1 to {DEVICE_BYTES} bytes, got {device!r}")
         try:
-            fd = _own_name(name, mode, time.monotonic() + wait)
+            fd = _own_name(name, name_mode(mode), time.monotonic() + wait)
         except ServerAlreadyRunningError as exc:
             raise ServerAlreadyRunningError(_taken_message(name, exc)) from None
+        group = cls(name, fd, devices, mode=mode)
         try:
             size_new_object(fd, GROUP_SIZE)
-            os.fchmod(fd, mode)  # the umask narrowed the mode given at creation
+            os.fchmod(fd, name_mode(mode))  # the umask narrowed the mode given at creation
             h = np.zeros((), GROUP_DT)
             h["version"] = GROUP_VERSION
             h["n_members"] = len(devices)
@@ -131,27 +151,40 @@ class GroupObject:
             h["epoch"] = int.from_bytes(os.urandom(8), "little") >> 1
             h["started_ns"] = time.monotonic_ns()
             h["devices"][: len(devices)] = [d.encode() for d in devices]
-            os.pwrite(fd, h.tobytes(), 0)
+            group._write(h.tobytes(), 0)
             # Order matters: the magic last, so that nobody accepts a half-written header.
-            os.pwrite(fd, struct.pack("<Q", GROUP_MAGIC), 0)
+            group._write(struct.pack("<Q", GROUP_MAGIC), 0)
         except BaseException:
             _unlink_segment(name)
-            close_lock_fd(fd)
+            group.close()
             raise
-        return cls(name, fd, devices)
+        return group
+
+    def _write(self, data: bytes, offset: int) -> None:
+        os.pwrite(self._fd, data, offset)
+
+    def _snapshot(self) -> int:
+        return snapshot(self.name, os.pread(self._fd, GROUP_SIZE, 0))
 
     def set_restarts(self, index: int, count: int) -> None:
         """Publish member ``index``'s restart count (a statistic: read without pairing)."""
-        os.pwrite(self._fd, struct.pack("<I", count), _RESTARTS_OFF + 4 * index)
+        self._write(struct.pack("<I", count), _RESTARTS_OFF + 4 * index)
 
     def start_serving(self) -> None:
-        """Take the SERVING lock: from now on clients see the group (header written first)."""
+        """Take the SERVING lock: from now on clients see the group (header written first).
+        A group shared with the server's group starts handing its record out first."""
+        if shared_mode(self._mode):
+            remove_stale_socket(self.name)  # we own the name: one left there is a dead owner's
+            self._handoff = Handoff(self.name, self._snapshot, self._mode)
         if not try_lock(self._fd, SERVING_BYTE):
             raise ServerAlreadyRunningError(f"could not take the serving lock of {self.name!r}")
 
     def stop_serving(self) -> None:
         if self._fd >= 0:
             unlock(self._fd, SERVING_BYTE)
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            handoff.close()
 
     def unlink(self) -> None:
         """Remove ``/dev/shm/NAME``; we hold its OWNER lock, so it is still ours."""
@@ -160,6 +193,9 @@ class GroupObject:
 
     def close(self) -> None:
         """Release the name (closing the lock descriptor drops both locks)."""
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            handoff.close()
         if self._fd >= 0:
             close_lock_fd(self._fd)
             self._fd = -1

@@ -2,19 +2,23 @@
 
 Readers outside a mapping (``stats``, ``served``, a would-be client) read a private copy of the
 record at the start of ``/dev/shm/NAME`` after probing its SERVING lock (see segment.py,
-"Memory ordering").
+"Memory ordering"), or of the memfd a server that shares its segment with its group hands over
+NAME.sock (handoff.py: the socket's messages order the server's writes before the reads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import posix_ipc
 
 from ..codecs.layout import MAX_FRAMES, CodecLayout
-from ..errors import SegmentError
+from ..errors import SegmentError, ServerUnavailableError
+from .handoff import handed_over, is_socket
 from .layout import (
     BUSY,
     FREE,
@@ -33,7 +37,7 @@ from .layout import (
 )
 from .locks import held_elsewhere
 from .names import validate_name
-from .objects import open_object
+from .objects import closed_to_us, open_object
 
 
 def _read_layout(name: str, fd: int) -> Layout:
@@ -149,15 +153,48 @@ def read_record(name: str, dtype: np.dtype, *, owner_uid: int | None = None) -> 
     The lock is probed before the record is read: its holder wrote the record before taking
     the lock (see "Memory ordering")."""
     validate_name(name)
+    if is_socket(name):  # a segment shared with the group: the live one is the memfd handed over
+        try:
+            with handed_over(name, owner_uid) as fd:
+                record = _pread_record(fd, dtype)
+                return None if record is None else (record, True)
+        except ServerUnavailableError:
+            pass  # nobody listens (starting, stopping or died): the name's own object says which
+    if closed_to_us(name, owner_uid):
+        return None  # a server's own object, which only it and its user read
     try:
         fd = open_object(name, owner_uid=owner_uid)
     except posix_ipc.ExistentialError:
         return None
     try:
         serving = held_elsewhere(fd, SERVING_BYTE)
-        if os.fstat(fd).st_size < dtype.itemsize:
-            return None
-        return np.frombuffer(os.pread(fd, dtype.itemsize, 0), dtype, 1)[0].copy(), serving
+        record = _pread_record(fd, dtype)
+        return None if record is None else (record, serving)
+    finally:
+        os.close(fd)
+
+
+def _pread_record(fd: int, dtype: np.dtype) -> np.void | None:
+    if os.fstat(fd).st_size < dtype.itemsize:
+        return None
+    return np.frombuffer(os.pread(fd, dtype.itemsize, 0), dtype, 1)[0].copy()
+
+
+@contextlib.contextmanager
+def _segment_fd(name: str) -> Iterator[int | None]:
+    """A descriptor of the segment under ``name`` (its memfd if handed over a socket), or
+    None if nothing has the name."""
+    if is_socket(name):
+        with handed_over(name) as fd:
+            yield fd
+            return
+    try:
+        fd = open_object(name)
+    except posix_ipc.ExistentialError:
+        yield None
+        return
+    try:
+        yield fd
     finally:
         os.close(fd)
 
@@ -223,14 +260,13 @@ def read_slot_owners(name: str) -> dict | None:
     Read without pairing, like the counters: a snapshot for ``stats``, a moment old."""
     validate_name(name)
     try:
-        fd = open_object(name)
-    except posix_ipc.ExistentialError:
+        with _segment_fd(name) as fd:
+            if fd is None:
+                return None
+            layout = _read_layout(name, fd)
+            raw = os.pread(fd, layout.n_slots * SLOT_DT.itemsize, layout.slots_off)
+    except ServerUnavailableError:
         return None
-    try:
-        layout = _read_layout(name, fd)
-        raw = os.pread(fd, layout.n_slots * SLOT_DT.itemsize, layout.slots_off)
-    finally:
-        os.close(fd)
     slots = np.frombuffer(raw, SLOT_DT, layout.n_slots)
     owned = slots["state"] != FREE
     holders = slots["handle_id"][owned]

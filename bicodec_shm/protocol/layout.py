@@ -11,11 +11,11 @@ Segment layout (all offsets are multiples of 64 bytes)::
     | counters, histos    |                      |  identities, lens, | codes_per_frame |
     |                     |                      |  status)           | int32           |
     +---------------------+----------------------+--------------------+-----------------+
-    globals_off           pcm_off                                            total_size
-    +---------------------+--------------------------------------------------+
-    | global tokens       | PCM areas: n_slots x (max_tokens*spf*4) bytes     |
-    | n_slots x n_global  | int16 or float32 samples, written in place        |
-    +---------------------+--------------------------------------------------+
+    globals_off           pcm_off                                  sems_off         total_size
+    +---------------------+----------------------------------------+----------------+
+    | global tokens       | PCM areas: n_slots x (max_tokens*spf*4)| semaphores     |
+    | n_slots x n_global  | bytes, int16 or float32, in place      | (2+3n) x sem_t |
+    +---------------------+----------------------------------------+----------------+
 
 The codec seam. A server serves one codec, named in the header with its token layout
 (``codecs.CodecLayout``: levels, codes per frame at each level, vocabularies, samples per frame
@@ -62,11 +62,14 @@ CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
 # 9: answers dropped because their slot was freed under the batch are counted (``dropped``),
 # and a digest of the segment's description (``digest``); 10: a lane's deliberate waits for its
 # clients are counted apart from the host gap (``waited_ns``); 11: a request says when its audio
-# is due (``due_in_us``), and the server decodes what is due soonest first
-LAYOUT_VERSION = 11
+# is due (``due_in_us``), and the server decodes what is due soonest first; 12: a segment ends in
+# a region of process-shared semaphores (``sems_off``), which a segment handed over a socket uses
+# (``transport``: handoff.py, shared_sems.py)
+LAYOUT_VERSION = 12
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
+SEM_BYTES = 32  # sizeof(sem_t), x86-64 and aarch64 glibc
 PCM_BYTES_PER_SAMPLE = 4  # sized for float32, the widest output dtype
 ERROR_TEXT_BYTES = 200
 HIST_BINS = 65  # batch-size histogram: bin b counts batches of b rows (bin 64 = 64 or more)
@@ -201,9 +204,28 @@ HEADER_DT = np.dtype(
         # A digest of the fields that describe the segment (``header.DESCRIPTION``), written by
         # the server before the magic: a client attaching refuses a header someone overwrote.
         ("digest", "<u8"),
+        # How clients reach the segment (``Transport``): its named object, or the memfd handed
+        # over NAME.sock; a named object that says SOCKET is only the server's mirror of it.
+        ("transport", "<u4"),
     ],
     align=True,
 )
+
+
+def shared_mode(mode: int) -> bool:
+    """True if ``mode`` lets users other than the server's attach (``--mode 0o660``): its
+    segment is then handed over a socket (``Transport.SOCKET``), never a named object."""
+    return bool(mode & 0o077)
+
+
+def name_mode(mode: int) -> int:
+    """The mode of the name's own object: its user's bits only, whatever ``mode`` shares."""
+    return mode & 0o700
+
+
+class Transport(enum.IntEnum):
+    NAMED = 0  # /dev/shm/NAME is the segment, its semaphores are named (this user only)
+    SOCKET = 1  # a sealed memfd handed over /dev/shm/NAME.sock, semaphores inside (--mode 0o660)
 
 COUNTERS = ("requests", "batches", "failed", "reclaimed", "tokens", "padded_tokens",
             "queue_wait_ns", "decode_ns", "latency_ns", "host_gap_ns", "lane_busy_ns", "expired",
@@ -315,5 +337,16 @@ class Layout:
         return _align(self.max_tokens * self.codec.samples_per_frame * PCM_BYTES_PER_SAMPLE, 4096)
 
     @property
-    def total_size(self) -> int:
+    def n_sems(self) -> int:
+        """Semaphores of the segment: ready, free, and req, done and bell per slot."""
+        return 2 + 3 * self.n_slots
+
+    @property
+    def sems_off(self) -> int:
+        """The process-shared semaphores (shared_sems.py), page aligned: used by a segment
+        handed over a socket; a named segment's semaphores are named objects instead."""
         return self.pcm_off + self.n_slots * self.pcm_stride
+
+    @property
+    def total_size(self) -> int:
+        return self.sems_off + _align(self.n_sems * SEM_BYTES, 4096)

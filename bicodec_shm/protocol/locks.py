@@ -73,6 +73,16 @@ def _open_lock_fd(name: str, flags: int = 0, mode: int = DEFAULT_MODE, *, owner_
     return fd
 
 
+def reopen_lock_fd(fd: int) -> int:
+    """A lock descriptor of our own on the file open as ``fd`` (a segment's memfd): a new open
+    file description, so that its locks are this process's alone (``fd`` may be a descriptor
+    another process passed us, sharing that process's description and so its locks)."""
+    with _fork_guard:
+        lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        _lock_fds.add(lock_fd)
+    return lock_fd
+
+
 def close_lock_fd(fd: int) -> None:
     """Close a descriptor from ``_open_lock_fd``: every lock taken through it drops."""
     with _fork_guard:

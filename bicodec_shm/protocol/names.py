@@ -10,6 +10,14 @@ Named objects (``NAME``: letters, digits, ``_`` and ``-``, optionally a ``.K`` g
     /dev/shm/sem.NAME.done.I   server -> client, slot I: pairs the client's reads of the result
     /dev/shm/sem.NAME.bell.J   server -> one client handle's asyncio waiter (bell J): wake-up only
 
+Every one of them is created mode 0o600: only the server's own user may open it. A server that
+shares its segment with its group (``--mode 0o660``) keeps the segment and its semaphores in a
+sealed memfd instead, which nobody can truncate or link, and names only (handoff.py)::
+
+    /dev/shm/NAME              the name's OWNER and SERVING locks and a copy of the header
+                               (mode 0o600: no member can take the locks or keep it allocated)
+    /dev/shm/NAME.sock         the socket that hands the memfd over (mode ``--mode``)
+
 A server group (group.py) puts a small object of its own under NAME instead of a segment
 (magic ``GROUP_MAGIC``, the same OWNER and SERVING lock bytes); its members are NAME.0, NAME.1...
 
@@ -21,6 +29,7 @@ unlinks a live server's objects.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import os
 import re
@@ -30,7 +39,8 @@ import time
 
 import posix_ipc
 
-from ..errors import BiCodecShmError, SegmentError, ServerAlreadyRunningError
+from ..errors import BiCodecShmError, SegmentError, ServerAlreadyRunningError, SharedMemoryFullError
+from .handoff import handed_over, is_socket, remove_stale_socket
 from .layout import (
     CREATING_MAGIC,
     DEFAULT_MODE,
@@ -40,6 +50,7 @@ from .layout import (
     OWNER_BYTE,
     SERVING_BYTE,
     Phase,
+    name_mode,
 )
 from .locks import _lock_fds, _open_lock_fd, close_lock_fd, held_elsewhere, try_lock
 from .objects import open_object
@@ -83,7 +94,7 @@ def leftover_objects(name: str) -> list[str]:
     prefix = f"sem.{name}."
     return sorted(
         e for e in entries
-        if e == name or (e.startswith(prefix) and _SEM_SUFFIX_RE.match(e[len(prefix):]))
+        if e in (name, f"{name}.sock") or (e.startswith(prefix) and _SEM_SUFFIX_RE.match(e[len(prefix):]))
     )  # fmt: skip
 
 
@@ -102,11 +113,19 @@ def _unlink_semaphores(name: str) -> int:
 
 
 def _unlink_segment(name: str) -> int:
+    """Unlink ``/dev/shm/NAME``, and ``NAME.sock`` if it is a socket of ours (a server that
+    shared its segment with its group left it); returns how many were removed."""
+    removed = 0
     try:
         posix_ipc.unlink_shared_memory(f"/{name}")
-        return 1
+        removed = 1
     except posix_ipc.ExistentialError:
-        return 0
+        pass
+    try:
+        removed += remove_stale_socket(name)
+    except SegmentError:
+        pass  # another user's: not ours to remove (a server starting says so)
+    return removed
 
 
 def reserve_name(name: str, *, mode: int = DEFAULT_MODE, wait: float = 0.0) -> int:
@@ -120,7 +139,7 @@ def reserve_name(name: str, *, mode: int = DEFAULT_MODE, wait: float = 0.0) -> i
     validate_name(name)
     before = set(_lock_fds)
     try:
-        return _own_name(name, mode, time.monotonic() + wait)
+        return _own_name(name, name_mode(mode), time.monotonic() + wait)
     except BaseException:
         # Also an exception from a signal handler (Ctrl-C while a server starts), which may
         # land between creating the name and returning it: leave no descriptor of ours open,
@@ -245,7 +264,9 @@ def probe(name: str, *, owner_uid: int | None = None) -> ServerState:
     try:
         fd = open_object(name, owner_uid=owner_uid)
     except (posix_ipc.Error, BiCodecShmError):
-        return ServerState.ABSENT
+        # Not ours to open: a member of the group of a server that shares its segment over
+        # NAME.sock asks the socket (whose peer must be ``owner_uid``'s).
+        return _probe_socket(name, owner_uid)
     try:
         if held_elsewhere(fd, SERVING_BYTE):
             return ServerState.SERVING
@@ -254,6 +275,16 @@ def probe(name: str, *, owner_uid: int | None = None) -> ServerState:
         return ServerState.DEAD
     finally:
         os.close(fd)
+
+
+def _probe_socket(name: str, owner_uid: int | None) -> ServerState:
+    if not is_socket(name):
+        return ServerState.ABSENT
+    try:
+        with handed_over(name, owner_uid):
+            return ServerState.SERVING
+    except BiCodecShmError:  # nobody listens, or another user does
+        return ServerState.ABSENT
 
 
 def _own_name(name: str, mode: int, deadline: float) -> int:
@@ -343,3 +374,35 @@ def size_new_object(fd: int, size: int) -> None:
     the leftovers of a creator that dies from here on can be taken over."""
     os.ftruncate(fd, size)
     os.pwrite(fd, struct.pack("<Q", CREATING_MAGIC), 0)
+
+
+def reserve_space(fd: int, size: int, name: str) -> None:
+    """Size the new segment and reserve its pages now, so that a full /dev/shm is an error at
+    start rather than a SIGBUS in whichever process first touches a missing page later."""
+    size_new_object(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise SharedMemoryFullError(
+                f"/dev/shm has no room to reserve the segment of {name!r} "
+                f"({size / 2**20:.1f} MiB): lower --slots or --max-tokens, or give the container "
+                "more shared memory (docker run --ipc=host, or --shm-size=1g)"
+            ) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def check_free_space(needed: int, directory: str = "/dev/shm") -> None:
+    """Raise ``SharedMemoryFullError`` unless ``directory`` has ``needed`` bytes free."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        raise SharedMemoryFullError(
+            f"{directory} has {free / 2**20:.1f} MiB free but the segment needs "
+            f"{needed / 2**20:.1f} MiB: lower --slots or --max-tokens, or give the container "
+            "more shared memory (docker run --ipc=host, or --shm-size=1g)"
+        )

@@ -69,3 +69,19 @@ def _unopenable(path: str, exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM):
         return f"{path} exists ({owner}) and this user may not open it"
     return f"{path} cannot be opened ({owner}: {exc.strerror})"
+
+
+def closed_to_us(name: str, owner_uid: int | None = None) -> bool:
+    """True if ``/dev/shm/NAME`` is a regular file of ``owner_uid``'s (default: this process's
+    euid) that this process may not open: the name's own object of a server that shares its
+    segment with its group over NAME.sock (handoff.py), seen by a member while the socket is
+    not there (the server is starting, stopping or died), or a server this user may not use.
+    A hint from ``lstat``: only which error to raise is decided on it."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    expected = os.geteuid() if owner_uid is None else owner_uid
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == expected
+            and not os.access(path, os.R_OK | os.W_OK, effective_ids=True))  # fmt: skip

@@ -8,6 +8,10 @@ last descriptor of their open file description closes, e.g. when the owner dies.
 trusted: liveness works across PID namespaces (a Kubernetes pod's containers, ``docker
 --ipc=container:X``) and survives pid reuse.
 
+Shared with the group (``--mode 0o660``), the segment is a sealed memfd handed over NAME.sock
+instead, semaphores inside, each process locking its own open of it; the name keeps OWNER and
+SERVING, and a client's liveness is its connection (handoff.py, shared_sems.py).
+
 Slot states (``SlotState``), and who moves a slot from each::
 
     1. FREE    -> CLAIMED   client, holding the slot's lock; it bumps ``generation`` (the claim
@@ -58,7 +62,6 @@ before the payload written earlier. POSIX semaphore operations synchronise memor
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
@@ -76,9 +79,10 @@ from ..errors import (
     SegmentError,
     ServerAlreadyRunningError,
     ServerUnavailableError,
-    SharedMemoryFullError,
 )
 from . import locks
+from .handoff import Connection, Handoff, check_sealed, connect, create_sealed, is_socket, socket_path
+from .handoff import remove_stale_socket as _remove_stale_socket
 from .header import DESCRIPTION, _read_layout, description_digest, write_codec
 from .layout import (
     BELL_BYTE0,
@@ -103,63 +107,30 @@ from .layout import (
     TIME_HISTOGRAMS,
     Layout,
     Phase,
+    Transport,
+    name_mode,
+    shared_mode,
 )
-from .locks import _open_lock_fd, close_lock_fd, held_elsewhere, try_lock, unlock
+from .locks import _open_lock_fd, close_lock_fd, held_elsewhere, reopen_lock_fd, try_lock, unlock
 from .names import (
     _own_name,
     _unlink_segment,
     _unlink_semaphores,
+    check_free_space,
+    reserve_space,
     semaphore_names,
     size_new_object,
     validate_name,
 )
-from .objects import open_object
+from .objects import closed_to_us, open_object
 from .semwait import Waiter
+from .shared_sems import SemRegion, SharedSemaphore, kind_index
 
 log = logging.getLogger("bicodec_shm.protocol")
 
 # What a client that may not attach can do about it (``open_object``'s message ends with it).
 _ATTACH_REMEDY = ("a server creates it with mode 0o600 (its user only) unless started with --mode "
                   "0o660; pass owner_uid= to trust another user's server")  # fmt: skip
-
-# The most posts one ``drain`` takes. Whoever may open a semaphore may post it, as fast as a
-# core allows (tens of millions a second, faster than they can be taken): a drain that ran
-# until the semaphore was empty would never end under such a flood. A bounded drain is enough,
-# because nothing trusts a post: the scan that follows a ``ready`` drain looks at every READY
-# slot, and an answer is read only if its identity names the request (layout.py), so whatever
-# posts a drain leaves behind cost a spurious wake-up at most. Well-behaved peers leave a few.
-DRAIN_MOST = 64
-
-
-def drain(sem: posix_ipc.Semaphore, most: int = DRAIN_MOST) -> int:
-    """Take the pending posts of ``sem`` without blocking, at most ``most`` of them (a flood
-    of posts must not keep the caller here); returns how many it took."""
-    for n in range(most):
-        try:
-            sem.acquire(0)
-        except posix_ipc.BusyError:
-            return n
-    return most
-
-
-def take_post(sem: posix_ipc.Semaphore) -> bool:
-    """Take one post of ``sem`` if there is one, without blocking."""
-    try:
-        sem.acquire(0)
-        return True
-    except posix_ipc.BusyError:
-        return False
-
-
-def post(sem: posix_ipc.Semaphore) -> None:
-    """Post ``sem``; one already at its maximum value (a flood of posts) is left as it is: it
-    holds posts enough to wake whoever waits, and our post says nothing more."""
-    try:
-        sem.release()
-    except OSError as exc:
-        if exc.errno != errno.EOVERFLOW:
-            raise
-
 
 _live_segments: weakref.WeakSet[Segment] = weakref.WeakSet()
 
@@ -200,17 +171,35 @@ class Segment:
     _creator: bool = False
     _description: np.ndarray | None = None  # the creator's copy of its header
     _waiter: Waiter = Waiter()  # replaced per instance; this one has nothing to close
+    # A segment handed over a socket (``Transport.SOCKET``, handoff.py): the name's own object
+    # (OWNER and SERVING locks, a copy of the header), the memfd (its creator keeps it to hand
+    # over), the handoff, and a client's connection, whose end of file is its liveness signal.
+    _name_fd: int = -1
+    _memfd: int = -1
+    _handoff: Handoff | None = None
+    _conn: Connection | None = None
+    _region: SemRegion | None = None
+    transport: Transport = Transport.NAMED
 
-    def __init__(self, name: str, lock_fd: int, layout: Layout) -> None:
+    def __init__(self, name: str, lock_fd: int, layout: Layout, *, memfd: int = -1,
+                 conn: Connection | None = None) -> None:  # fmt: skip
         self.name = name
         self.layout = layout
         self.codec = layout.codec
         self._lock_fd = lock_fd
+        self._conn = conn
         self._sems = {}
         self._ready: posix_ipc.Semaphore | None = None
         self._per_slot = {kind: [None] * layout.n_slots for kind in ("req", "done", "bell")}
         self._waiter = Waiter()
-        self._map()
+        self.transport = Transport.SOCKET if memfd >= 0 else Transport.NAMED
+        if memfd >= 0:
+            self._mmap = mmap.mmap(memfd, layout.total_size)
+            self._views()
+            self._adopt_semaphores(SemRegion(memfd, layout.sems_off, layout.n_sems))
+        else:
+            self._map()
+            self._views()
         _live_segments.add(self)
 
     def _map(self) -> None:
@@ -231,6 +220,22 @@ class Segment:
             self._mmap = mmap.mmap(fd, self.layout.total_size)
         finally:
             os.close(fd)
+
+    def _adopt_semaphores(self, region: SemRegion) -> None:
+        """Every semaphore of a segment handed over a socket, from its own pages, at once."""
+        self._region = region
+        n = self.layout.n_slots
+        for sem_name in semaphore_names(self.name, n):
+            kind, index = _split(sem_name)
+            sem = SharedSemaphore(region, kind_index(kind, index, n), sem_name)
+            self._sems[sem_name] = sem
+            self._waiter.adopt(sem_name, sem.address)
+            if kind in self._per_slot:
+                self._per_slot[kind][index] = sem
+            elif kind == "ready":
+                self._ready = sem
+
+    def _views(self) -> None:
         buf, lay = self._mmap, self.layout
         self.header = np.ndarray((), HEADER_DT, buf, 0)
         self.counters = np.ndarray((len(COUNTERS),), "<u8", buf, HEADER_DT.fields[COUNTERS[0]][1])
@@ -291,16 +296,33 @@ class Segment:
         if not 1 <= max_tokens <= 100_000:
             raise ValueError(f"max_tokens must be in 1..100000, got {max_tokens}")
         layout = Layout(n_slots, max_tokens, codec)
-        check_free_space(layout.total_size)
+        shared = shared_mode(mode)
+        if not shared:
+            check_free_space(layout.total_size)
         # The name: reserved earlier (``reserve_name``: held while the model loaded), or now.
-        lock_fd = reserved if reserved is not None else _own_name(name, mode, time.monotonic() + wait)
+        # Only its own user may ever open it: a group that may attach does so over the socket.
+        own = name_mode(mode)
+        name_fd = reserved if reserved is not None else _own_name(name, own, time.monotonic() + wait)
+        memfd = lock_fd = -1
         try:
-            _reserve(lock_fd, layout.total_size, name)
-            os.fchmod(lock_fd, mode)  # the umask narrowed the mode given at creation
-            seg = cls(name, lock_fd, layout)
+            os.fchmod(name_fd, own)  # the umask narrowed the mode given at creation
+            if shared:
+                size_new_object(name_fd, HEADER_SIZE)  # the header's copy (``_copy_header``)
+                memfd = create_sealed(name, layout.total_size)
+                lock_fd = reopen_lock_fd(memfd)
+                seg = cls(name, lock_fd, layout, memfd=memfd)
+                seg._name_fd, seg._memfd, seg._mode = name_fd, memfd, mode
+                seg._region.init_all()  # type: ignore[union-attr]
+            else:
+                reserve_space(name_fd, layout.total_size, name)
+                seg = cls(name, name_fd, layout)
         except BaseException:
             _unlink_segment(name)
-            close_lock_fd(lock_fd)
+            for fd in (lock_fd, name_fd):
+                if fd >= 0:
+                    close_lock_fd(fd)
+            if memfd >= 0:
+                os.close(memfd)
             raise
         seg._creator = True
         try:
@@ -322,10 +344,12 @@ class Segment:
             h["server_uid"] = os.geteuid()
             h["server_epoch"] = secrets.randbits(63)
             h["phase"] = Phase.CREATING
+            h["transport"] = seg.transport
             h["digest"] = description_digest(h)
             # Order matters: magic last, so that a reader never accepts a half-written header.
             h["magic"] = MAGIC
             seg._description = h.copy()  # the server's own copy (``restore_description``)
+            seg._copy_header()
         except BaseException:
             seg.unlink()  # our own objects only: a foreign semaphore stays where it is
             seg.close()
@@ -337,6 +361,8 @@ class Segment:
         stale = _unlink_semaphores(self.name)
         if stale:
             log.info("removed %d stale semaphore(s) of %r", stale, self.name)
+        if self.transport == Transport.SOCKET:
+            return  # its semaphores are in its own pages (``_adopt_semaphores``)
         for sem_name in semaphore_names(self.name, self.layout.n_slots):
             try:
                 sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode, 0)
@@ -365,12 +391,29 @@ class Segment:
                 os.chmod(path, mode)
 
     def start_serving(self) -> None:
-        """Take the SERVING lock: from now on clients see this server as alive."""
+        """Take the SERVING lock: from now on clients see this server as alive. A segment
+        shared with the group starts handing itself out on NAME.sock first."""
         self.header["phase"] = Phase.SERVING
         self.header["started_ns"] = time.monotonic_ns()
+        if self.transport == Transport.SOCKET:
+            self._copy_header()
+            _remove_stale_socket(self.name)  # we own the name: one left there is a dead server's
+            self._handoff = Handoff(self.name, self._memfd, self._mode)
         # Order matters: the header above, then the lock (see "Memory ordering").
-        if not try_lock(self._lock_fd, SERVING_BYTE):
+        if not try_lock(self._liveness_fd, SERVING_BYTE):
             raise ServerAlreadyRunningError(f"could not take the serving lock of {self.name!r}")
+
+    @property
+    def _liveness_fd(self) -> int:
+        """The descriptor holding the name's OWNER and SERVING locks."""
+        return self._name_fd if self._name_fd >= 0 else self._lock_fd
+
+    def _copy_header(self) -> None:
+        """Write the header into the name's own object (a segment handed over a socket only):
+        what the tools of the server's user read there (its magic, its phase), never what a
+        client maps."""
+        if self._name_fd >= 0 and self.header is not None:
+            os.pwrite(self._name_fd, self.header.tobytes(), 0)
 
     def restore_description(self) -> None:
         """Write the segment's description back into the header from the server's own copy
@@ -382,10 +425,15 @@ class Segment:
             h[f] = mine[f]
 
     def stop_serving(self) -> None:
-        """Release the SERVING lock: clients now resubmit what this server has not answered."""
+        """Release the SERVING lock: clients now resubmit what this server has not answered.
+        A segment handed over a socket hangs up on every client too (their liveness signal)."""
         if self._lock_fd >= 0:
             self.header["phase"] = Phase.STOPPING
-            unlock(self._lock_fd, SERVING_BYTE)
+            self._copy_header()
+            unlock(self._liveness_fd, SERVING_BYTE)
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            handoff.close()
 
     # -- attaching (clients) --------------------------------------------------------------
 
@@ -401,6 +449,12 @@ class Segment:
         or is owned by an unexpected user.
         """
         validate_name(name)
+        if is_socket(name):
+            return cls._attach_over_socket(name, owner_uid)
+        if closed_to_us(name, owner_uid):
+            raise ServerUnavailableError(
+                f"{name!r} is not served over {socket_path(name)} right now, and its own object is its "
+                "user's alone (a server shares its segment with its group only with --mode 0o660)")
         try:
             # Only ``owner_uid``'s object (default: ours), checked on the descriptor itself.
             fd = _open_lock_fd(name, owner_uid=owner_uid, remedy=_ATTACH_REMEDY)
@@ -416,11 +470,32 @@ class Segment:
                     f"{name!r} exists but no server serves it right now (it is starting, "
                     "stopping, or died)"
                 )
+            if _transport_of(fd) == Transport.SOCKET:  # its socket came or went just now
+                raise ServerUnavailableError(f"{name!r} is served over {socket_path(name)}, not "
+                                             "there right now (its server starts or stops)")  # fmt: skip
             layout = _read_layout(name, fd)  # ordered after the probe above
             return cls(name, fd, layout)
         except BaseException:
             close_lock_fd(fd)
             raise
+
+    @classmethod
+    def _attach_over_socket(cls, name: str, owner_uid: int | None) -> Segment:
+        """Map the sealed segment the server of ``name`` hands over NAME.sock (handoff.py)."""
+        conn, memfd = connect(name, owner_uid)
+        lock_fd = -1
+        try:
+            layout = _read_layout(name, memfd)
+            check_sealed(memfd, layout.total_size)
+            lock_fd = reopen_lock_fd(memfd)
+            return cls(name, lock_fd, layout, memfd=memfd, conn=conn)
+        except BaseException:
+            if lock_fd >= 0:
+                close_lock_fd(lock_fd)
+            conn.close()
+            raise
+        finally:
+            os.close(memfd)  # the mappings hold the memory from here on
 
     # -- semaphores -------------------------------------------------------------------------
 
@@ -539,6 +614,8 @@ class Segment:
             return False
         if self._creator:
             return self.header is not None and int(self.header["phase"]) == Phase.SERVING
+        if self._conn is not None:
+            return self._conn.alive()
         try:
             return held_elsewhere(fd, SERVING_BYTE)
         except OSError:
@@ -571,9 +648,21 @@ class Segment:
                 log.debug("a view of %r outlived its segment; leaving it mapped", self.name)
             self._mmap = None
         self._waiter.close()
+        self._region = None  # its mapping goes with the last semaphore object still in use
+        if self._conn is not None:
+            self._conn.close()
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            handoff.close()
+        if self._memfd >= 0:
+            os.close(self._memfd)
+            self._memfd = -1
         if self._lock_fd >= 0:
             close_lock_fd(self._lock_fd)  # drops every lock taken through it
             self._lock_fd = -1
+        if self._name_fd >= 0:
+            close_lock_fd(self._name_fd)  # the name's OWNER and SERVING locks
+            self._name_fd = -1
 
     def unlink(self) -> None:
         """Remove every named object of this segment (only its creator, owning the name)."""
@@ -587,6 +676,9 @@ class Segment:
                 sem.unlink()
             except posix_ipc.Error:
                 pass
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            handoff.close()  # removes NAME.sock
         _unlink_segment(self.name)
         if self.header is not None:
             self.header["phase"] = Phase.STOPPED
@@ -594,8 +686,9 @@ class Segment:
     def _forget_locks_after_fork(self) -> None:
         # The descriptor itself was closed with every other lock descriptor (see
         # ``_close_lock_fds_in_child``); its number may be reused from now on.
-        self._lock_fd = -1
+        self._lock_fd = self._name_fd = -1
         self._creator = False
+        self._handoff = None  # its thread is not in the child
 
     def __enter__(self) -> Segment:
         return self
@@ -610,41 +703,18 @@ class Segment:
         )
 
 
+_TRANSPORT_OFF = HEADER_DT.fields["transport"][1]
+
+
+def _transport_of(fd: int) -> int:
+    """The ``transport`` a named object's header says (a hint, read without pairing)."""
+    raw = os.pread(fd, 4, _TRANSPORT_OFF)
+    return int.from_bytes(raw, "little") if len(raw) == 4 else Transport.NAMED
+
+
 def _split(sem_name: str) -> tuple[str, int]:
     """("req", 3) for "/NAME.req.3"; ("ready", -1) for "/NAME.ready"."""
     head, _, last = sem_name.rpartition(".")
     if last.isdigit():
         return head.rpartition(".")[2], int(last)
     return last, -1
-
-
-def _reserve(fd: int, size: int, name: str) -> None:
-    """Size the new segment and reserve its pages now, so that a full /dev/shm is an error at
-    start rather than a SIGBUS in whichever process first touches a missing page later."""
-    size_new_object(fd, size)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise SharedMemoryFullError(
-                f"/dev/shm has no room to reserve the segment of {name!r} "
-                f"({size / 2**20:.1f} MiB): lower --slots or --max-tokens, or give the container "
-                "more shared memory (docker run --ipc=host, or --shm-size=1g)"
-            ) from None
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-
-
-def check_free_space(needed: int, directory: str = "/dev/shm") -> None:
-    """Raise ``SharedMemoryFullError`` unless ``directory`` has ``needed`` bytes free."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if free < needed:
-        raise SharedMemoryFullError(
-            f"{directory} has {free / 2**20:.1f} MiB free but the segment needs "
-            f"{needed / 2**20:.1f} MiB: lower --slots or --max-tokens, or give the container "
-            "more shared memory (docker run --ipc=host, or --shm-size=1g)"
-        )

@@ -68,6 +68,13 @@ class Waiter:
 
     def __init__(self) -> None:
         self._handles: dict[str, int] = {}
+        self._adopted: set[str] = set()  # in-segment semaphores (shared_sems.py): never closed
+
+    def adopt(self, name: str, address: int) -> None:
+        """Wait on the process-shared semaphore at ``address`` under ``name`` (one of a
+        segment's own, shared_sems.py; its mapping outlives this ``Waiter``)."""
+        self._handles[name] = address
+        self._adopted.add(name)
 
     def open(self, name: str) -> None:
         """Open the semaphore ``name`` (a posix_ipc name such as ``/x.done.3``) for waits.
@@ -82,8 +89,9 @@ class Waiter:
 
     def close_one(self, name: str) -> None:
         sem = self._handles.pop(name, None)
-        if sem is not None:
+        if sem is not None and name not in self._adopted:
             _sem_close(sem)
+        self._adopted.discard(name)
 
     def wait(self, name: str, timeout: float) -> bool:
         """Take one post of the semaphore ``name`` (opened with ``open``), waiting up to
@@ -101,5 +109,7 @@ class Waiter:
 
     def close(self) -> None:
         handles, self._handles = self._handles, {}
-        for sem in handles.values():
-            _sem_close(sem)
+        adopted, self._adopted = self._adopted, set()
+        for name, sem in handles.items():
+            if name not in adopted:
+                _sem_close(sem)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .layout import BUSY, DONE, ERROR_TEXT_BYTES, MAX_DUE_IN_US, NO_BELL, READY, REQUEST_ID, SLOT_DT, Status
-from .segment import Segment, post
+from .posts import post
+from .segment import Segment
 
 log = logging.getLogger("bicodec_shm.server")
 

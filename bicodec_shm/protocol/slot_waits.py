@@ -16,7 +16,8 @@ import secrets
 import time
 
 from ..errors import DecodeTimeoutError
-from .segment import Segment, post
+from .posts import post
+from .segment import Segment
 from .waiting import SLICE
 
 
@@ -121,4 +122,4 @@ def _ask_for_a_slot(seg: Segment) -> None:
     interleave, the last one differs from what the server last acted on. Then ``ready`` wakes
     the server (a wake-up only; the server reads the value after draining it)."""
     seg.header["slot_wanted"] = secrets.randbits(63) | 1
-    post(seg.ready)  # a flood may have filled it: no error (segment.post)
+    post(seg.ready)  # a flood may have filled it: no error (posts.post)

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..protocol.layout import CLAIMED, DONE, FREE, Status
-from ..protocol.segment import Segment, drain
+from ..protocol.posts import drain
+from ..protocol.segment import Segment
 from .counters import Counters
 
 log = logging.getLogger("bicodec_shm.server")

@@ -52,7 +52,8 @@ from ..protocol.layout import (
     Status,
 )
 from ..protocol.names import validate_name
-from ..protocol.segment import Segment, drain, post, take_post
+from ..protocol.posts import drain, post, take_post
+from ..protocol.segment import Segment
 from ..protocol.slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
 from .adapters import Detokenizer, codec_adapter, device_of
 from .batch_costs import BATCHING_MODES, BatchPlanner

@@ -19,9 +19,17 @@ from .._version import __version__
 from ..codecs.layout import MAX_FRAMES, default_max_frames, get_layout
 from ..errors import BiCodecShmError, ServerAlreadyRunningError
 from ..protocol.group import validate_group_name
-from ..protocol.layout import DEFAULT_MAX_TOKENS, DEFAULT_SLOTS, DEFAULT_START_WAIT, MAX_SLOTS, Layout
+from ..protocol.layout import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SLOTS,
+    DEFAULT_START_WAIT,
+    MAX_SLOTS,
+    Layout,
+    shared_mode,
+)
 from ..protocol.names import (
     ServerState,
+    check_free_space,
     leftover_objects,
     probe,
     release_name,
@@ -29,7 +37,6 @@ from ..protocol.names import (
     reserve_name,
     validate_name,
 )
-from ..protocol.segment import check_free_space
 from ..server.batch_costs import BATCHING_MODES
 from ..server.batching import (
     DEFAULT_CUDA_MAX_BATCH_TOKENS,
@@ -301,7 +308,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from ..deploy.supervisor import parse_devices, serve_group
 
         devices = parse_devices(args.device)
-        check_free_space(len(devices) * Layout(args.slots, args.max_tokens, codec).total_size)
+        if not shared_mode(args.mode):  # a segment shared with the group is a memfd, not in /dev/shm
+            check_free_space(len(devices) * Layout(args.slots, args.max_tokens, codec).total_size)
         wait_for_name(args.name)
         return serve_group(args.name, devices, args.argv, mode=args.mode,
                            metrics_port=args.metrics_port)  # fmt: skip
@@ -309,7 +317,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from ..server.metrics import require_prometheus_client
 
         require_prometheus_client()
-    check_free_space(Layout(args.slots, args.max_tokens, codec).total_size)
+    if not shared_mode(args.mode):
+        check_free_space(Layout(args.slots, args.max_tokens, codec).total_size)
     wait_for_name(args.name)
     # `kill -USR1 PID` prints where every thread of the server is (a server that will not stop).
     dumps = _register_stack_dumps()

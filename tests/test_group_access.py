@@ -15,17 +15,19 @@ like the server's own user; what it may no longer do is what only a named object
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import serve_command
-from support import assert_lone_int16, seeded_request, single_decode, wait_for
+from support import assert_lone_int16, check_in_forked_child, seeded_request, single_decode, wait_for
 
 from bicodec_shm import DecoderClient
 from bicodec_shm.deploy import processes
@@ -33,6 +35,7 @@ from bicodec_shm.deploy.processes import is_serving
 from bicodec_shm.errors import SegmentError
 from bicodec_shm.protocol.group import member_names
 from bicodec_shm.protocol.handoff import connect, socket_path
+from bicodec_shm.protocol.layout import Transport
 from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,3 +276,32 @@ def test_a_member_uses_a_server_group_shared_with_it(shm_name, unprivileged_pyth
         processes.stop_server(proc, timeout=60)
         for name in (shm_name, *members):
             wait_for(lambda name=name: leftover_objects(name) == [], 30, f"{name} to be removed")
+
+
+def test_a_shared_segment_serves_threads_asyncio_and_a_forked_child_like_a_named_one(thread_server, shm_name):
+    """The same user's handle on a segment handed over the socket: more threads than slots, asyncio
+    requests (the bell is a semaphore in the segment too) and a child forked while calls run, each
+    answer its lone decode's."""
+    thread_server(mode=0o660, slots=4)
+    reqs = [seeded_request(100 + i, 10 + 3 * i) for i in range(12)]
+    client = DecoderClient(shm_name, slots=2, timeout=60)
+    try:
+        assert client._att.segment.transport == Transport.SOCKET
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(client.decode, s, g) for s, g in reqs]
+
+            def child_decodes_on_its_own_attachment():
+                assert_lone_int16(client.decode(*reqs[0]), *reqs[0])
+                return client._att is not None and client._att.segment.transport == Transport.SOCKET
+
+            check_in_forked_child(child_decodes_on_its_own_attachment)
+            for (s, g), f in zip(reqs, futures):
+                assert_lone_int16(f.result(), s, g)
+
+        async def all_at_once():
+            return await asyncio.gather(*(client.decode_async(s, g) for s, g in reqs))
+
+        for (s, g), pcm in zip(reqs, asyncio.run(all_at_once())):
+            assert_lone_int16(pcm, s, g)
+    finally:
+        client.close()

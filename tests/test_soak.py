@@ -60,6 +60,15 @@ def test_chaos_with_a_server_group_whose_members_die(tmp_path, capsys):
     assert result["server_kills"] >= 1 and result["correct"] > 30
 
 
+@pytest.mark.slow
+def test_chaos_with_the_segment_handed_over_its_socket(tmp_path, capsys):
+    """The whole fault mix against a server started with ``--mode 0o660``: the memfd handed over
+    NAME.sock, semaphores inside it, liveness by the connection, across kills and restarts."""
+    seed = int(os.environ.get("BICODEC_SHM_CHAOS_SEED", random.randrange(2**31)))
+    result = _chaos(tmp_path, capsys, seed, "--mode", "0o660", "--duration", "20", "--kill-server-every", "7")
+    assert result["server_kills"] + result["server_term_restarts"] >= 1 and result["correct"] > 30
+
+
 def test_soak_help_shows_every_default_and_the_defaults_are_the_full_fault_mix(capsys):
     with pytest.raises(SystemExit):
         main(["soak", "--help"])

@@ -168,6 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the clients' timeout; a call that times out counts as lost")
     p.add_argument("--stop-grace", type=float, default=STOP_GRACE,
                    help="the clients' stop_grace: seconds to wait for a rolling restart's new server")
+    p.add_argument("--mode", type=lambda v: int(v, 8), default=0o600,
+                   help="the server's --mode: 0o660 hands the segment over its socket (default 0o600)")
     p.add_argument("--group", action="store_true",
                    help="serve with a group of two members (server kills hit one member)")
     p.add_argument("--preset", default="tiny", choices=("tiny", "spark-tts-0.5b"),

@@ -407,11 +407,10 @@ class _OwnershipProbe:
                 st = os.fstat(seg._lock_fd)
                 if self.inode != (st.st_dev, st.st_ino):
                     self.close()
-                    self.fd = os.open(f"/dev/shm/{att.name}", os.O_RDONLY)
-                    mine = os.fstat(self.fd)
-                    self.inode = (mine.st_dev, mine.st_ino)
-                    if self.inode != (st.st_dev, st.st_ino):  # the name went to a new server
-                        return []
+                    # An open of its own of the very file the handle locks (a named segment or
+                    # the memfd handed over a socket), never of whatever the name holds now.
+                    self.fd = os.open(f"/proc/self/fd/{seg._lock_fd}", os.O_RDONLY)
+                    self.inode = (st.st_dev, st.st_ino)
                 with att.lock:
                     if att.retired is not None:
                         return []

@@ -60,6 +60,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                                                                                          args.max_len)
         return serve_command(name, "--preset", args.preset, "--seed", str(args.seed),
                              "--slots", str(slots), "--threads", "1", "--max-tokens", str(max_tokens),
+                             "--mode", oct(getattr(args, "mode", 0o600)),
                              *(("--device", "cpu,cpu") if args.group else ()))  # fmt: skip
 
     members = [f"{name}.{k}" for k in range(2)] if args.group else [name]

@@ -970,6 +970,11 @@ MUTANTS: tuple[Mutant, ...] = (
       "    return (stat.S_ISREG(st.st_mode) and st.st_uid == expected",
       "    return False and (stat.S_ISREG(st.st_mode) and st.st_uid == expected",
       "tests/test_group_access.py", "-k", "crashed"),
+    m("handoff-kept-by-a-forked-child", "a child forked from the server's process keeps its copies of "
+      "the clients' connections", "bicodec_shm/protocol/handoff.py",
+      "os.register_at_fork(after_in_child=_hang_up_in_child)",
+      "pass  # os.register_at_fork(after_in_child=_hang_up_in_child)",
+      "tests/test_group_access.py", "-k", "forked_from"),
     m("waiter-dies-on-a-close-before-its-sleep", "the asyncio waiter thread lets a close that came "
       "between its check and its sleep escape as ClientClosedError", "bicodec_shm/protocol/async_answers.py",
       "                if self.retired is not None:\n                    return\n                raise",

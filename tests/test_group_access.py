@@ -37,6 +37,7 @@ from bicodec_shm.protocol.group import member_names
 from bicodec_shm.protocol.handoff import connect, socket_path
 from bicodec_shm.protocol.layout import Transport
 from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
+from bicodec_shm.protocol.segment import Segment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -305,3 +306,46 @@ def test_a_shared_segment_serves_threads_asyncio_and_a_forked_child_like_a_named
             assert_lone_int16(pcm, s, g)
     finally:
         client.close()
+
+
+_SERVE_AND_FORK = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from support import reference_model
+from bicodec_shm.server.server import DecoderServer
+server = DecoderServer(reference_model(), sys.argv[1], slots=2, max_tokens=50, mode=0o660)
+server.start_thread()  # the constructor already serves the name
+print("serving", flush=True)
+sys.stdin.readline()  # a client is attached: its connection is one of ours now
+if os.fork() == 0:  # a child of the server's process that outlives it
+    time.sleep(60)
+    os._exit(0)
+print("forked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_forked_from_the_servers_process_does_not_keep_it_looking_alive(shm_name):
+    """The server's process forks (an embedding application's worker) and then dies: its clients
+    see it gone at once, not when the child exits, as the named path's locks already do."""
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_AND_FORK, shm_name, str(ROOT / "tests")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    seg = None
+    try:
+        assert proc.stdout.readline() == "serving\n"
+        seg = Segment.attach(shm_name)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "forked\n" and seg.serving()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: not seg.serving(), 5, "the client to see its server's end close")
+    finally:
+        if seg is not None:
+            seg.close()
+        os.killpg(proc.pid, signal.SIGKILL)  # the child too
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+        unlink_all(shm_name)

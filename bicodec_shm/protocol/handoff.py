@@ -31,6 +31,7 @@ import socket
 import stat
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 
 from ..errors import SegmentError, ServerUnavailableError
@@ -113,6 +114,21 @@ def check_sealed(fd: int, size: int) -> None:
         raise SegmentError("the descriptor handed over is not a sealed bicodec-shm segment")
 
 
+_live_handoffs: weakref.WeakSet[Handoff] = weakref.WeakSet()
+
+
+def _hang_up_in_child() -> None:
+    # A child forked from a server's process has copies of the listener and of every client's
+    # connection, but not the thread that serves them: were it to keep them, the clients would
+    # see their server alive for as long as the child lives, after the server itself died. (The
+    # lock descriptors go the same way: locks.py.)
+    for handoff in list(_live_handoffs):
+        handoff._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_hang_up_in_child)
+
+
 class Handoff:
     """The server's side: listens on ``NAME.sock`` and hands ``memfd`` to each connection,
     which it keeps open until the client hangs up or ``close()`` (the clients' liveness).
@@ -134,6 +150,17 @@ class Handoff:
             raise
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"bicodec-shm-handoff:{name}")
         self._thread.start()
+        _live_handoffs.add(self)
+
+    def _forget_in_child(self) -> None:
+        self._stop.set()
+        for sock in (self._listener, *self._conns):
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._conns = set()
+        self.path = ""  # the socket's name is the parent's to remove
 
     def _bind(self, mode: int) -> None:
         old = os.umask(0o777 & ~mode)  # never a moment with wider access than ``mode``
@@ -205,9 +232,12 @@ class Handoff:
     def close(self) -> None:
         """Stop handing out the segment, hang up on every client, and remove the socket."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        _live_handoffs.discard(self)
+        if self._thread is not threading.current_thread() and self._thread.is_alive():
             self._thread.join(5)
         self._listener.close()
+        if not self.path:
+            return
         try:
             st = os.lstat(self.path)
             if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():

@@ -349,3 +349,31 @@ def test_a_child_forked_from_the_servers_process_does_not_keep_it_looking_alive(
         proc.stdin.close()
         proc.stdout.close()
         unlink_all(shm_name)
+
+
+_UNPRIVILEGED_SHARED_SERVER = r"""
+import sys
+from bicodec_shm.protocol.segment import Segment
+name = sys.argv[1]
+seg = Segment.create(name, n_slots=2, max_tokens=10, mode=0o660)
+seg.start_serving()
+client = Segment.attach(name)  # over the socket, as another process of the user would
+print(int(client.transport), client.serving(), client.layout.n_slots)
+client.close()
+seg.stop_serving()
+seg.unlink()
+seg.close()
+"""
+
+
+def test_an_unprivileged_user_serves_a_shared_segment(unprivileged_python):
+    """Not root: the memfd, its seals and the socket in the sticky /dev/shm need no privilege, and
+    a client of the same user attaches over the socket."""
+    name = random_name("bcshm-test")
+    try:
+        done = unprivileged_python.run("-c", _UNPRIVILEGED_SHARED_SERVER, name)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [str(int(Transport.SOCKET)), "True", "2"]
+    finally:
+        unlink_all(name)
+    assert leftover_objects(name) == []

@@ -7,8 +7,8 @@ group under ``N`` itself, as a one-page object instead of a segment::
     /dev/shm/N      the group object (GROUP_DT): magic "BCDC_GRP", version, member count,
                     each member's device and restart count
     /dev/shm/N.K    member K: an ordinary segment and its semaphores (segment.py)
-    /dev/shm/N.sock with ``--mode 0o660``: hands the group object, a copy in a sealed memfd,
-                    to the group's members (handoff.py); N itself stays the user's alone
+    /dev/shm/N.sock with ``--mode 0o660``: hands a snapshot of the group object, in a memfd
+                    sealed against writes, to each client (handoff.py); N stays the user's alone
 
 The group object is owned exactly like a segment (see locks.py): the supervisor
 creates it O_CREX through ``names._own_name`` and holds its OWNER byte from creating the

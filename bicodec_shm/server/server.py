@@ -96,7 +96,8 @@ class DecoderServer:
         min_fill: a row joins a batch only if the batch's shortest row stays at least this
             share of its longest (0: no bound).
         max_tokens: longest request accepted (1500 tokens = 30 s).
-        mode: permission bits of every object (0o600: this user only; 0o660: also the group).
+        mode: who may attach (0o600: this user only; 0o660: also the group, over NAME.sock: the
+            segment is then a sealed memfd, see protocol/handoff.py).
         reap_interval: seconds between scans for slots of dead clients.
         lanes: decode lanes (threads sharing the weights, splitting the cores on CPU); None:
             1 on CUDA; on a CPU with 2+ cores, predicted from the first batches' load, then

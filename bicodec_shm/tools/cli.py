@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--name", default=name, help=f"segment name clients attach to {named}")
     _add_server_args(s)
     s.add_argument("--mode", default="0o600", type=_octal,
-                   help="permissions of every object: 0o600 this user, 0o660 also the group")  # fmt: skip
+                   help="who may attach: 0o600 this user, 0o660 also the group (over NAME.sock)")  # fmt: skip
     s.add_argument("--allow-world-access", action="store_true",
                    help="accept a --mode that lets every user of the host attach (not advised)")  # fmt: skip
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",

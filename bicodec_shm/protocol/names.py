@@ -34,13 +34,14 @@ import logging
 import os
 import re
 import secrets
+import stat
 import struct
 import time
 
 import posix_ipc
 
 from ..errors import BiCodecShmError, SegmentError, ServerAlreadyRunningError, SharedMemoryFullError
-from .handoff import handed_over, is_socket, remove_stale_socket
+from .handoff import handed_over, is_socket, remove_stale_socket, socket_path
 from .layout import (
     CREATING_MAGIC,
     DEFAULT_MODE,
@@ -225,12 +226,24 @@ def is_stopping(name: str) -> bool:
 
 
 def unlink_all(name: str) -> int:
-    """Unlink the segment ``name`` and its semaphores, whoever made them; returns the count.
+    """Unlink the segment ``name``, its semaphores and its socket, whoever made them (where this
+    user may: root, or their owner); returns the count.
 
     For test clean-up and ``bicodec-shm cleanup`` only: callers check first that no live server
     holds the name (``probe``). Servers remove their own objects with ``Segment.unlink``.
     """
-    return _unlink_semaphores(name) + _unlink_segment(name)
+    return _unlink_semaphores(name) + _unlink_segment(name) + _unlink_any_socket(name)
+
+
+def _unlink_any_socket(name: str) -> int:
+    path = socket_path(name)
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+            return 1
+    except OSError:
+        pass  # gone, or not ours to remove (the sticky /dev/shm)
+    return 0
 
 
 def _same_inode(fd: int, name: str) -> bool:

@@ -534,3 +534,24 @@ def plant_ready(seg, slot: int, **fields) -> None:
     header = dict(n_tokens=2, n_global=32, dtype=0, notify=NO_BELL, **fields)
     for field, value in {**header, "state": READY}.items():  # the state word last
         seg.slots[field][slot] = value
+
+
+@contextlib.contextmanager
+def bare_attachment(name: str, n_slots: int, max_tokens: int = 10):
+    """``(segment, attachment)``: a segment that serves (no server reads it) and a client's
+    attachment to it, both closed and unlinked afterwards."""
+    from bicodec_shm.protocol.attachment import Attachment
+    from bicodec_shm.protocol.segment import Segment
+
+    seg = Segment.create(name, n_slots=n_slots, max_tokens=max_tokens)
+    att = None
+    try:
+        seg.start_serving()
+        att = Attachment(seg.name, max_slots=n_slots, owner_uid=None)
+        yield seg, att
+    finally:
+        if att is not None:
+            att.close(RuntimeError("test over"), wait=0)
+        seg.stop_serving()
+        seg.unlink()
+        seg.close()

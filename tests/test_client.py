@@ -18,6 +18,7 @@ import pytest
 from support import (
     GatedDecoder,
     SteppedDecoder,
+    bare_attachment,
     check_in_forked_child,
     seed_int16,
     single_decode,
@@ -33,9 +34,7 @@ from bicodec_shm.errors import (
     DecodeTimeoutError,
     ServerUnavailableError,
 )
-from bicodec_shm.protocol.attachment import Attachment
 from bicodec_shm.protocol.layout import HOP, SlotState
-from bicodec_shm.protocol.segment import Segment
 
 GLB = list(range(32))
 
@@ -270,11 +269,7 @@ def test_a_close_between_the_waiter_threads_check_and_its_sleep_ends_it_quietly(
     """``close`` may retire an attachment after its asyncio waiter thread looked (not retired)
     and before the thread takes the mapping to sleep on its bell: the thread must end there,
     not die with ``ClientClosedError`` (an unhandled exception in a thread of the caller's)."""
-    seg = Segment.create(shm_name, n_slots=2, max_tokens=10)
-    att = None
-    try:
-        seg.start_serving()
-        att = Attachment(seg.name, max_slots=2, owner_uid=None)
+    with bare_attachment(shm_name, 2) as (_, att):
         att.bell = 0  # a bell is held: the loop sleeps on it through ``use()``
         sleep_on_bell = att._sleep_on_bell
 
@@ -285,12 +280,6 @@ def test_a_close_between_the_waiter_threads_check_and_its_sleep_ends_it_quietly(
         att._sleep_on_bell = closed_in_between
         att._wait_loop()  # returns; raised ClientClosedError before
         assert isinstance(att.retired, ClientClosedError)
-    finally:
-        if att is not None:
-            att.close(RuntimeError("test over"), wait=0)
-        seg.stop_serving()
-        seg.unlink()
-        seg.close()
 
 
 def test_close_gives_slots_back_and_is_idempotent(thread_server, shm_name):

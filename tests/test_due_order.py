@@ -14,11 +14,10 @@ import time
 
 import numpy as np
 import pytest
-from support import SteppedDecoder, plant_ready, wait_submitted
+from support import SteppedDecoder, bare_attachment, plant_ready, wait_submitted
 
 from bicodec_shm import DecoderClient, DecodeStream
 from bicodec_shm.client.requests import due_time
-from bicodec_shm.protocol.attachment import Attachment
 from bicodec_shm.protocol.layout import MAX_DUE_IN_US, NO_BELL
 from bicodec_shm.protocol.names import random_name
 from bicodec_shm.protocol.segment import Segment
@@ -62,11 +61,7 @@ def test_due_in_is_written_as_the_microseconds_left_at_the_submit_and_capped():
     """The due time is fixed when the call is made and converted at the submit: a request that
     waited for a slot (or is resubmitted to a restarted server) is due that much sooner."""
     cases = (0, due_time(0.25), due_time(1e9), due_time(math.inf), time.monotonic_ns() - 10**9)
-    seg = Segment.create(random_name("bcshm-test"), n_slots=len(cases), max_tokens=10)
-    att = None
-    try:
-        seg.start_serving()
-        att = Attachment(seg.name, max_slots=len(cases), owner_uid=None)
+    with bare_attachment(random_name("bcshm-test"), len(cases)) as (seg, att):
         written = []
         for due_at in cases:  # one slot each, all left READY: no server reads them here
             seq = att.new_seq()
@@ -78,12 +73,6 @@ def test_due_in_is_written_as_the_microseconds_left_at_the_submit_and_capped():
         # capped at the call (30 s from then), less what passed before the submit
         assert all(MAX_DUE_IN_US - 200_000 < w <= MAX_DUE_IN_US for w in written[2:4])
         assert written[4] == 0  # a due time already past: due now
-    finally:
-        if att is not None:
-            att.close(RuntimeError("test over"), wait=0)
-        seg.stop_serving()
-        seg.unlink()
-        seg.close()
 
 
 def test_the_server_caps_a_client_written_due_time_on_both_header_paths():

@@ -16,6 +16,8 @@ import pytest
 from support import reference_model, seeded_request, single_decode
 
 from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.errors import ServerUnavailableError
+from bicodec_shm.protocol.attachment import Attachment
 from bicodec_shm.protocol.group import GroupObject, member_names
 from bicodec_shm.protocol.names import leftover_objects, random_name, unlink_all
 from bicodec_shm.server.server import DecoderServer
@@ -346,6 +348,21 @@ def test_a_live_server_whose_semaphores_were_removed_fails_the_call_at_its_deadl
         client.close()
     finally:
         _stop(running)
+
+
+def test_a_client_that_looked_before_a_group_took_the_name_looks_again(group_name):
+    """A handle reads the name (no group there yet), then a group takes it before the handle
+    opens it as a server's segment: that open says "look again" (ServerUnavailableError,
+    which the handle retries), never that the group's object is a foreign one (SegmentError)."""
+    group = GroupObject.create(group_name, ["cpu"])
+    try:
+        group.start_serving()
+        with pytest.raises(ServerUnavailableError, match="server group"):
+            Attachment(group_name, max_slots=2, owner_uid=None)
+    finally:
+        group.stop_serving()
+        group.unlink()
+        group.close()
 
 
 def test_calls_on_one_group_handle_while_the_group_is_replaced_all_get_their_audio(group_name):

@@ -21,7 +21,9 @@ from ..errors import SegmentError, ServerUnavailableError
 from .handoff import handed_over, is_socket
 from .layout import (
     BUSY,
+    CREATING_MAGIC,
     FREE,
+    GROUP_MAGIC,
     HEADER_DT,
     HEADER_SIZE,
     LAYOUT_VERSION,
@@ -45,7 +47,13 @@ def _read_layout(name: str, fd: int) -> Layout:
     if size < HEADER_SIZE:
         raise SegmentError(f"/dev/shm/{name} is {size} bytes, too small to be a bicodec-shm segment")
     h = np.frombuffer(os.pread(fd, HEADER_DT.itemsize, 0), HEADER_DT, 1)[0]
-    if int(h["magic"]) != MAGIC:
+    magic = int(h["magic"])
+    if magic in (GROUP_MAGIC, CREATING_MAGIC):
+        # A group (or a server) took the name between the caller's look and this read: a
+        # moment of a restart, not a foreign object. The caller looks again.
+        what = "a server group's" if magic == GROUP_MAGIC else "a segment still being created"
+        raise ServerUnavailableError(f"/dev/shm/{name} is {what} right now; looking again")
+    if magic != MAGIC:
         raise SegmentError(f"/dev/shm/{name} is not a bicodec-shm segment (bad magic)")
     if int(h["version"]) != LAYOUT_VERSION:
         raise SegmentError(

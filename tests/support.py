@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import functools
 import os
+import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -87,10 +89,14 @@ def join_within(threads, within: float) -> None:
         assert not t.is_alive(), "a call hung"
 
 
-def check_in_forked_child(check) -> None:
+def check_in_forked_child(check, within: float = 120.0) -> None:
     """Fork; in the child run ``check()`` (True: pass) and exit with its verdict; assert that
-    the child passed. The parent's threads go on running in the parent only, as in a worker
-    that forks while it has calls in flight."""
+    the child passed within ``within`` seconds. The parent's threads go on running in the
+    parent only, as in a worker that forks while it has calls in flight.
+
+    ``check`` must not run torch when a parent thread may be inside it (an in-process server):
+    the child inherits whatever lock that thread held at fork (a static initialiser's guard),
+    and waits on it forever. Compute what the child compares with before forking."""
     r, w = os.pipe()
     with warnings.catch_warnings():
         # Python >= 3.12 warns about fork() with threads running: that is what these tests do.
@@ -105,6 +111,11 @@ def check_in_forked_child(check) -> None:
             os._exit(code)
     os.close(w)
     try:
+        ready, _, _ = select.select([r], [], [], within)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the forked child hung (no verdict within {within:.0f} s)")
         verdict = os.read(r, 1)
     finally:
         os.close(r)

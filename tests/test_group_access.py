@@ -27,7 +27,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import serve_command
-from support import assert_lone_int16, check_in_forked_child, seeded_request, single_decode, wait_for
+from support import (
+    assert_lone_int16,
+    check_in_forked_child,
+    seed_int16,
+    seeded_request,
+    single_decode,
+    wait_for,
+)
 
 from bicodec_shm import DecoderClient
 from bicodec_shm.deploy import processes
@@ -284,14 +291,16 @@ def test_a_shared_segment_serves_threads_asyncio_and_a_forked_child_like_a_named
     thread_server(mode=0o660, slots=4)
     reqs = [seeded_request(100 + i, 10 + 3 * i) for i in range(12)]
     client = DecoderClient(shm_name, slots=2, timeout=60)
+    expected_first = seed_int16(single_decode(*reqs[0])).astype(np.int32)  # before any thread runs
     try:
         assert client._att.segment.transport == Transport.SOCKET
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(client.decode, s, g) for s, g in reqs]
 
             def child_decodes_on_its_own_attachment():
-                assert_lone_int16(client.decode(*reqs[0]), *reqs[0])
-                return client._att is not None and client._att.segment.transport == Transport.SOCKET
+                pcm = client.decode(*reqs[0])  # compared with numpy only (see check_in_forked_child)
+                exact = np.abs(pcm.astype(np.int32) - expected_first).max() <= 1
+                return exact and client._att is not None and client._att.segment.transport == Transport.SOCKET
 
             check_in_forked_child(child_decodes_on_its_own_attachment)
             for (s, g), f in zip(reqs, futures):

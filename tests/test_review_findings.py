@@ -712,7 +712,7 @@ def test_async_calls_across_a_restart_leave_nothing_in_the_users_log(shm_name):
                 tasks = [asyncio.ensure_future(client.decode_async(*r, dtype="float32")) for r in reqs]
                 # Under load: a batch in the gated decoder, all eight slots submitted, sixteen
                 # calls waiting for a slot.
-                await asyncio.to_thread(wait_submitted, server.segment, 8)
+                await asyncio.to_thread(wait_submitted, server.segment, 8, server=server)
                 server.stop()  # the decoder restarts under load: the running batch is answered,
                 decoder.gate.set()  # the queued ones are resubmitted to the new server
                 await asyncio.to_thread(_stop, server, thread)

@@ -804,6 +804,11 @@ MUTANTS: tuple[Mutant, ...] = (
             ("bicodec_shm/protocol/attachment.py",
              "            if self.line.leave(seq):\n                self.line.wake_first(self.using)\n", "")),
            ("tests/test_client.py", "-k", "waiting_in_line")),
+    m("busy-handle-keeps-its-slots", "a handle with callers always in line hands each slot to its own "
+      "next caller even when another handle asked for one: that handle waits until it times out",
+      "bicodec_shm/protocol/attachment.py", "            if waiter is not None and not wanted:\n",
+      "            if waiter is not None:\n",
+      "tests/test_slot_sharing.py"),
     # -- Qwen3-TTS's 12 Hz tokenizer against qwen-tts ---------------------------------------------
     m("qwen3-conv-pads-both-sides", "the causal convolutions pad half their history on the right "
       "(a 'same' convolution): not causal, and not upstream's audio",

@@ -16,7 +16,9 @@ the memory-ordering rule.
   (counting an idle expiry, not a reclaim) at its next tick otherwise, or at once when a
   claimer finds no FREE slot and says so (the header's ``slot_wanted``, then a ``ready`` post).
   So an idle handle holds no slot for longer than a reap interval, and idle workers never keep
-  a new one out, nor make it wait for the tick.
+  a new one out, nor make it wait for the tick. A busy handle (callers always in line) is never
+  quiescent: once another handle has said it found no FREE slot, ``give`` sends the next slot
+  back to the segment instead of to our line, so busy workers never keep a new one out either.
 - **A request is ``(slot, seq)``**: ``take_slot`` hands out both, and every later step (give
   back, let go, the answer's identity check) names both, so a step repeated by an interrupted
   caller can never touch the next request on the same slot.
@@ -45,6 +47,7 @@ the memory-ordering rule.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -115,6 +118,10 @@ class Attachment(AsyncAnswers, SlotWaits):
         # One claim, or one drop of a slot lock, at a time: see the module docstring.
         self.claim_lock = threading.Lock()
         self.generation: dict[int, int] = {}  # slot -> the claim epoch we own it at
+        # ``slot_wanted`` values: those our own claimers stored, and the last one we gave a
+        # slot back for (``give``), so that each request for a slot costs us one slot at most.
+        self.asked: collections.deque[int] = collections.deque(maxlen=16)
+        self.answered_want = 0
         self.pending: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.bell: int | None = None
         self.waiter: threading.Thread | None = None
@@ -350,21 +357,56 @@ class Attachment(AsyncAnswers, SlotWaits):
         """Request ``seq`` is finished with ``slot`` (state CLAIMED): reuse it, or give it back.
 
         Once no request of ours is in flight, every slot goes back to the segment (transition
-        6): a quiescent handle holds nothing that another process may need."""
+        6): a quiescent handle holds nothing that another process may need. A handle that is
+        never quiescent (callers always in line) would keep its slots for ever, so when another
+        handle has asked for a slot since we last gave one back (``slot_wanted``), this slot
+        goes back to the segment too, and our own line claims again like everyone else."""
+        wanted = self._slot_wanted_elsewhere()
         with self.lock:
             if self.retired is not None or self.using.get(slot) != seq:
                 return  # retired (the slots go with the attachment), or given back already
             waiter = self.line.first(self.using)
-            if waiter is not None:
+            if waiter is not None and not wanted:
                 # Straight to the oldest waiter, never idle in between for a newcomer to take.
                 self.using[slot] = waiter.seq  # one store: the slot is that request's
                 waiter.wake()  # it finds the slot booked to it, and leaves the line with it
                 return
-            del self.using[slot]  # one store: the slot is idle (owned, not in use)
-            self.idle.append(slot)
-            quiescent = not self.using and not self.claimers
-        if quiescent:
+            if waiter is not None:
+                # In this order, as in ``let_go``: in ``loose`` while its lock is ours, then
+                # not owned, then no request's; ``_settle`` frees it (ours, CLAIMED).
+                self.answered_want = wanted
+                self.loose.add(slot)
+                self.owned.discard(slot)
+                del self.using[slot]
+                quiescent = False
+            else:
+                del self.using[slot]  # one store: the slot is idle (owned, not in use)
+                self.idle.append(slot)
+                quiescent = not self.using and not self.claimers
+        if wanted and waiter is not None:
+            self._settle_now()
+        elif quiescent:
             self._release()
+
+    def _slot_wanted_elsewhere(self) -> int:
+        """The header's ``slot_wanted`` if another handle stored it (it found no FREE slot)
+        and we have not given a slot back for it yet; else 0. A hint, read without pairing."""
+        try:
+            with self.use() as seg:
+                value = int(seg.header["slot_wanted"])
+        except (Gone, BiCodecShmError):
+            return 0
+        return 0 if value in (0, self.answered_want) or value in self.asked else value
+
+    def _settle_now(self) -> bool:
+        """Finish what ``loose`` holds (``_settle``) under the claim lock, as every drop of a
+        slot lock runs. False if the attachment retired (its slots go with it)."""
+        try:
+            with self.claim_lock, self.use() as seg:
+                self._settle(seg)
+        except (Gone, BiCodecShmError):
+            return False
+        return True
 
     def let_go(self, slot: int, seq: int) -> None:
         """Nobody waits for request ``seq`` any more: drop the lock on its slot and forget the
@@ -406,10 +448,7 @@ class Attachment(AsyncAnswers, SlotWaits):
             mine = [slot for slot, q in self.using.items() if q == seq]
         for slot in mine:
             self.done_with(slot, seq)
-        try:
-            with self.claim_lock, self.use() as seg:
-                self._settle(seg)
-        except (Gone, BiCodecShmError):
+        if not self._settle_now():
             return  # retired: the slots go with the attachment
         with self.lock:
             quiescent = bool(self.owned) and not self.using and not self.claimers

@@ -67,7 +67,7 @@ class SlotWaits:
                 left = max(0.0, deadline - time.monotonic())
                 if claimed:  # no FREE slot in the segment: look again shortly (only under exhaustion)
                     with self.use() as seg:
-                        _ask_for_a_slot(seg)
+                        self.asked.append(_ask_for_a_slot(seg))
                     await asyncio.sleep(min(0.02, left))
                 else:
                     with self.lock:
@@ -110,16 +110,21 @@ class SlotWaits:
         # With requests of our own in flight, one of our slots may come back sooner.
         timeout = min(SLICE / 5 if self.using else SLICE, left)
         with self.use() as seg:
-            _ask_for_a_slot(seg)
+            self.asked.append(_ask_for_a_slot(seg))
             seg.wait(seg.free, timeout)  # a timeout, or a signal: the caller looks again
 
 
-def _ask_for_a_slot(seg: Segment) -> None:
-    """Tell the server that a claimer found no FREE slot, so that it reaps at once (idle
-    handles' warm slots come back only through the reaper) instead of at its next tick.
+def _ask_for_a_slot(seg: Segment) -> int:
+    """Tell the server, and every other handle, that a claimer found no FREE slot: the server
+    reaps at once (idle handles' warm slots come back only through the reaper) instead of at
+    its next tick, and a busy handle gives its next slot back to the segment instead of to its
+    own next request (``Attachment.give``). Returns the value stored, which the asking
+    attachment remembers as its own.
 
     A fresh random value each time, not a count: whatever way several claimers' stores
     interleave, the last one differs from what the server last acted on. Then ``ready`` wakes
     the server (a wake-up only; the server reads the value after draining it)."""
-    seg.header["slot_wanted"] = secrets.randbits(63) | 1
+    value = secrets.randbits(63) | 1
+    seg.header["slot_wanted"] = value
     post(seg.ready)  # a flood may have filled it: no error (posts.post)
+    return value

@@ -141,13 +141,14 @@ class Violation(AssertionError):
 
 # pcs of a thread inside a call (an exception may land there), and of a request in flight
 IN_CALL = frozenset({"take", "claim-wait", "claim", "own", "book", "start", "returned", "submit", "wait",
-                     "letgo", "release", "release-free", "release-warm", "release-unlock"})  # fmt: skip
+                     "letgo", "release", "release-free", "release-warm", "release-unlock",
+                     "yield"})  # fmt: skip
 IN_REQUEST = frozenset({"take", "claim-wait", "claim", "own", "book", "start", "returned", "submit", "wait"})
 # Steps that touch only a handle's own books, or a slot only it can act on (its lock held):
 # with one thread per handle and no interruptions nobody can tell them apart from the step
 # before, so they run on at once, as one step (a reduction that keeps every other state).
 RUN_ON = frozenset({"claim-wait", "claim", "own", "book", "start", "returned", "letgo", "abandon", "settle",
-                    "release", "release-free", "release-warm", "release-unlock"})  # fmt: skip
+                    "release", "release-free", "release-warm", "release-unlock", "yield"})  # fmt: skip
 
 
 _PC_METHOD = {pc: "pc_" + pc.replace("-", "_") for pc in IN_CALL | {"idle", "abandon", "settle"}}
@@ -495,6 +496,16 @@ class _Step:
                         nxt = nxt._replace(pc="release", order=())
                 self.act(t, f"takes the answer to request {th.k} from slot {th.slot}", nxt, hd2,
                          (th.slot, taken._replace(state=CLAIMED)), bad)  # fmt: skip
+                if self._ahead(hd, -1) and not (self.r.unfair_waiting or self.r.books_after_locks):
+                    # give() when another handle asked for a slot (``slot_wanted``, a hint any
+                    # handle may store at any time): the slot goes back to the segment, not to
+                    # the line; loose, out of owned, out of use; then _settle frees it.
+                    i = th.slot
+                    hd3 = hd._replace(loose=hd.loose | {i}, owned=hd.owned - {i},
+                                      using=tuple(u for u in hd.using if u != (i, t)))  # fmt: skip
+                    back = th._replace(pc="yield", k=th.k + 1, outcomes=th.outcomes + (outcome,))
+                    self.act(t, f"takes the answer to request {th.k} from slot {i} and gives the slot back",
+                             back, hd3, (i, taken._replace(state=CLAIMED)), bad)  # fmt: skip
         if self.b.timeouts and (self.r.books_after_locks or hd.claim_lock is None):
             # wait_result's deadline: let_go, under the claim lock (today's rule): loose first,
             # then out of owned and of use; the unlock is the next step. Then the exception goes
@@ -624,6 +635,16 @@ class _Step:
         s2, hd2 = self.done_with(t, th, self._leave(hd, t)._replace(claimers=hd.claimers - {t}))
         self.s, saved = s2, self.s
         self.act(t, "cleans up after its request", th._replace(pc="settle", slot=None), hd2)
+        self.s = saved
+
+    def pc_yield(self, t: int, th: Thread, hd: Handle) -> None:
+        # give's ``_settle_now``: _settle under the claim lock; no release after it (a request
+        # of ours waits in line).
+        if hd.claim_lock is not None:
+            return
+        s2, hd2 = self.settle(th.h, hd)
+        self.s, saved = s2, self.s
+        self.act(t, "frees the slot it gave back", th._replace(pc="idle", slot=None), hd2)
         self.s = saved
 
     def pc_settle(self, t: int, th: Thread, hd: Handle) -> None:

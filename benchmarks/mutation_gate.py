@@ -809,6 +809,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/protocol/attachment.py", "            if waiter is not None and not wanted:\n",
       "            if waiter is not None:\n",
       "tests/test_slot_sharing.py"),
+    m("playing-stream-without-lead", "a playing stream's windows go out due when its listener runs dry, "
+      "with no lead: a new stream's first window waits behind every late window seen before it",
+      "bicodec_shm/client/streaming.py", "time.monotonic()) + PLAYING_LEAD_S}", "time.monotonic())}",
+      "tests/test_due_order.py", "-k", "first_window_due_now"),
     # -- Qwen3-TTS's 12 Hz tokenizer against qwen-tts ---------------------------------------------
     m("qwen3-conv-pads-both-sides", "the causal convolutions pad half their history on the right "
       "(a 'same' convolution): not causal, and not upstream's audio",

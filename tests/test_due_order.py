@@ -18,6 +18,7 @@ from support import SteppedDecoder, bare_attachment, plant_ready, wait_submitted
 
 from bicodec_shm import DecoderClient, DecodeStream
 from bicodec_shm.client.requests import due_time
+from bicodec_shm.client.streaming import PLAYING_LEAD_S
 from bicodec_shm.protocol.layout import MAX_DUE_IN_US, NO_BELL
 from bicodec_shm.protocol.names import random_name
 from bicodec_shm.protocol.segment import Segment
@@ -153,6 +154,8 @@ class _DueLog:
 
 
 def test_a_stream_sends_its_first_window_due_now_and_later_ones_by_the_audio_ahead():
+    """The first window is due at once; the next when the first has played, plus the lead that
+    lets other streams' first audio go before it (``PLAYING_LEAD_S``)."""
     log = _DueLog()
     stream = DecodeStream(log, GLB, preset="default")
     s = stream.settings
@@ -162,5 +165,33 @@ def test_a_stream_sends_its_first_window_due_now_and_later_ones_by_the_audio_ahe
     ahead = len(first) // 2 / 16000  # seconds of audio the listener holds now
     stream.push(np.arange(s.chunk_tokens))  # the next region: due when the first has played
     assert len(log.due) == 2
-    assert 0 < log.due[1] <= ahead + (time.monotonic() - played_from) + 1e-3
-    assert log.due[1] >= ahead - (time.monotonic() - played_from) - 0.05
+    due = log.due[1] - PLAYING_LEAD_S
+    assert 0 < due <= ahead + (time.monotonic() - played_from) + 1e-3
+    assert due >= ahead - (time.monotonic() - played_from) - 0.05
+
+
+def test_a_new_streams_first_window_goes_before_a_playing_streams_late_window(thread_server, shm_name):
+    """Real server, one row a batch: behind a running batch wait a window of a stream that has
+    run dry (seen first) and then a new stream's first window; the first window is decoded
+    first, and the late window right after it."""
+    decoder = _LengthLog()
+    server = thread_server(decoder, max_batch=1, lanes=1)
+    results: dict[int, np.ndarray] = {}
+    with DecoderClient(shm_name, slots=8) as client:
+        def decode(n: int, due_in: float) -> None:
+            results[n] = client.decode(np.arange(n) % 8192, GLB, due_in=due_in, timeout=30)
+
+        threads = [threading.Thread(target=decode, args=(2, 0.0))]
+        threads[0].start()
+        decoder.wait_entered(1)  # the 2-token request is in the decoder; the rest queue behind it
+        # A playing stream's window that has run dry (0 s ahead, plus the lead), then a first window.
+        for count, (n, due_in) in enumerate([(3, PLAYING_LEAD_S), (5, 0.0)], start=2):
+            threads.append(threading.Thread(target=decode, args=(n, due_in)))
+            threads[-1].start()
+            wait_submitted(server.segment, count, server=server)
+        for _ in range(3):
+            decoder.step()
+        for t in threads:
+            t.join(30)
+    assert decoder.lengths == [[2], [5], [3]]
+    assert sorted(results) == [2, 3, 5] and all(len(results[n]) == 320 * n for n in results)

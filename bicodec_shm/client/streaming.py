@@ -73,6 +73,13 @@ from .stream_settings import (  # noqa: F401 (re-exported: the stream's public n
     StreamSettings,
 )
 
+# Seconds a playing stream's windows count as due after its listener would run dry. Among
+# requests that are all late (a server that cannot keep up), a new stream's first window, or
+# a whole utterance, goes before the windows of streams already playing: first audio is what a
+# listener waits for with nothing to hear. A window passed over that way waits at most this much
+# longer than by its own due time, so none starves.
+PLAYING_LEAD_S = 1.0
+
 
 @dataclass(frozen=True)
 class _Window:
@@ -445,15 +452,16 @@ class DecodeStream:
         return _split_levels(self._window_ids(w), self._layout.level_rates)
 
     def _due(self, w: _Window) -> dict[str, float]:
-        """``due_in`` for the request of window ``w``: the seconds until the listener, playing
-        since the first audio, reaches the start of ``w``'s region (0 before any audio, and for
-        a stream that has run dry); nothing for a decoder that does not take it."""
+        """``due_in`` for the request of window ``w``: 0 before any audio; afterwards the
+        seconds until the listener, playing since the first audio, reaches the start of ``w``'s
+        region (0 for a stream that has run dry), plus ``PLAYING_LEAD_S``; nothing for a
+        decoder that does not take it."""
         if not self._says_due:
             return {}
         if self._first_audio is None:
             return {"due_in": 0.0}
         ahead = (self._hop * w.r0 - len(self._tail)) / self._rate  # audio sent before w's region
-        return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic())}
+        return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic()) + PLAYING_LEAD_S}
 
     def _decode(self, w: _Window) -> np.ndarray:
         if self._layout is not None:

@@ -265,7 +265,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick"),
     m("claimer-never-asks-for-a-slot", "a claimer that finds no FREE slot sleeps on `free` without telling "
       "the server", "bicodec_shm/protocol/slot_waits.py",
-      "            _ask_for_a_slot(seg)\n            seg.wait(seg.free, timeout)",
+      "            self.asked.append(_ask_for_a_slot(seg))\n            seg.wait(seg.free, timeout)",
       "            seg.wait(seg.free, timeout)",
       "tests/test_waiting_latency.py", "-k", "without_waiting_for_the_reaper_tick and sync"),
     m("no-bell-polls-at-the-slice", "_claim_bell returns NO_BELL but leaves self.bell None: the waiter "

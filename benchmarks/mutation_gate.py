@@ -958,8 +958,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_due_order.py", "-k", "written"),
     m("stream-windows-always-due-now", "a stream says every window is due now, whatever audio its "
       "listener holds", "bicodec_shm/client/streaming.py",
-      'return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic())}',
-      'return {"due_in": 0.0}', "tests/test_due_order.py", "-k", "first_window"),
+      'return {"due_in": max(0.0, self._first_audio + ahead - time.monotonic()) + PLAYING_LEAD_S}',
+      'return {"due_in": 0.0}', "tests/test_due_order.py", "-k", "first_window_due_now"),
     m("shared-segment-may-shrink", "a segment shared with the group is sealed against growing only: a "
       "member may truncate it", "bicodec_shm/protocol/handoff.py",
       "SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL",

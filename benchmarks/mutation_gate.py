@@ -809,6 +809,14 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/protocol/attachment.py", "            if waiter is not None and not wanted:\n",
       "            if waiter is not None:\n",
       "tests/test_slot_sharing.py"),
+    m("give-back-unowns-before-unbooking", "give() sends a slot back to the segment taking it out of owned "
+      "before out of use: an exception in between, and the cleanup books it to the request in line "
+      "while the handle frees it", "bicodec_shm/protocol/attachment.py",
+      "                self.loose.add(slot)\n                del self.using[slot]\n"
+      "                self.owned.discard(slot)\n",
+      "                self.loose.add(slot)\n                self.owned.discard(slot)\n"
+      "                del self.using[slot]\n",
+      "tests/test_client.py", "-k", "giving_a_slot_back"),
     m("playing-stream-without-lead", "a playing stream's windows go out due when its listener runs dry, "
       "with no lead: a new stream's first window waits behind every late window seen before it",
       "bicodec_shm/client/streaming.py", "time.monotonic()) + PLAYING_LEAD_S}", "time.monotonic())}",

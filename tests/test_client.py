@@ -709,6 +709,35 @@ def test_an_exception_at_any_bytecode_of_a_request_leaves_no_slot_locked_or_book
     assert out.returncode == 0 and out.stdout.strip() == f"({3 * HOP},)", out.stderr[-2000:]
 
 
+def test_an_exception_at_any_bytecode_of_giving_a_slot_back_to_the_segment_leaves_it_ours_or_free(shm_name):
+    """``give`` with a request of the handle in line and another handle asking for a slot sends
+    the slot back to the segment in several steps. An exception at any point where a handler
+    could run, then the caller's cleanup (``abandon``), leaves the slot either ours (owned,
+    booked to nobody or to the request in line) or FREE and forgotten: never booked to the
+    waiting request while no longer ours (it would submit into a slot the handle then frees)."""
+    from bicodec_shm.protocol.layout import FREE
+
+    for n in range(1, 200):
+        with bare_attachment(shm_name, 2) as (seg, att):
+            slot, seq = att.take_slot(time.monotonic() + 5)
+            waiting = att.new_seq()
+            with att.lock:
+                att.line.join(waiting, time.monotonic() + 5, None)
+            seg.header["slot_wanted"] = 12345  # another handle found no FREE slot
+            _, where, _ = _run_interrupted_at(lambda a=att, s=slot, q=seq: a.give(s, q), n)
+            att.abandon(seq)
+            state = (slot in att.owned, att.using.get(slot), slot in att.loose, int(seg.slots["state"][slot]))
+            if where is None:
+                assert state == (False, None, False, FREE), state  # given back, uninterrupted
+                break
+            ours, booked, loose, st = state
+            assert not loose, f"an exception at {where} left slot {slot} loose: {state}"
+            assert ours or (booked is None and st == FREE), f"an exception at {where} left {state}"
+            att.abandon(waiting)
+    else:
+        pytest.fail("give never ran to its end")
+
+
 def test_a_storm_of_signal_handler_exceptions_never_wedges_the_handle_or_the_slot(thread_server, shm_name):
     """Chance's version of the sweep above, bounded: a signal every 0.5-3 ms whose handler
     raises into whatever the main thread is doing in its decode calls (one exception a call),

@@ -361,41 +361,42 @@ class Attachment(AsyncAnswers, SlotWaits):
         never quiescent (callers always in line) would keep its slots for ever, so when another
         handle has asked for a slot since we last gave one back (``slot_wanted``), this slot
         goes back to the segment too, and our own line claims again like everyone else."""
-        wanted = self._slot_wanted_elsewhere()
         with self.lock:
             if self.retired is not None or self.using.get(slot) != seq:
                 return  # retired (the slots go with the attachment), or given back already
             waiter = self.line.first(self.using)
+            # Read only with someone in line (the common case costs nothing), and under the
+            # lock, not retired: the mapping cannot go before the lock is released.
+            wanted = 0 if waiter is None else self._slot_wanted_elsewhere()
             if waiter is not None and not wanted:
                 # Straight to the oldest waiter, never idle in between for a newcomer to take.
                 self.using[slot] = waiter.seq  # one store: the slot is that request's
                 waiter.wake()  # it finds the slot booked to it, and leaves the line with it
                 return
-            if waiter is not None:
-                # In this order, as in ``let_go``: in ``loose`` while its lock is ours, then
-                # not owned, then no request's; ``_settle`` frees it (ours, CLAIMED).
+            if wanted:
+                # Back to the segment. In this order, so that an interruption anywhere leaves a
+                # state the caller's cleanup (abandon) finishes: in ``loose`` while its lock is
+                # ours, then no request's (owned and idle, should we stop here), then not
+                # owned; ``_settle`` frees it (ours, CLAIMED).
                 self.answered_want = wanted
                 self.loose.add(slot)
-                self.owned.discard(slot)
                 del self.using[slot]
+                self.owned.discard(slot)
                 quiescent = False
             else:
                 del self.using[slot]  # one store: the slot is idle (owned, not in use)
                 self.idle.append(slot)
                 quiescent = not self.using and not self.claimers
-        if wanted and waiter is not None:
+        if wanted:
             self._settle_now()
         elif quiescent:
             self._release()
 
     def _slot_wanted_elsewhere(self) -> int:
         """The header's ``slot_wanted`` if another handle stored it (it found no FREE slot)
-        and we have not given a slot back for it yet; else 0. A hint, read without pairing."""
-        try:
-            with self.use() as seg:
-                value = int(seg.header["slot_wanted"])
-        except (Gone, BiCodecShmError):
-            return 0
+        and we have not given a slot back for it yet; else 0. A hint, read without pairing.
+        Called under ``lock`` with the attachment not retired: the segment is mapped."""
+        value = int(self.segment.header["slot_wanted"])
         return 0 if value in (0, self.answered_want) or value in self.asked else value
 
     def _settle_now(self) -> bool:

@@ -109,14 +109,10 @@ class _LengthLog(SteppedDecoder):
         return super().detokenize(semantic_ids, global_ids, lengths)
 
 
-def test_the_server_decodes_a_stream_about_to_run_dry_before_one_with_audio_ahead(thread_server, shm_name,
-                                                                                   monkeypatch):
-    """Real server, real shared memory, one row a batch: behind a running batch wait a request
-    due in 5 s, then two due now; the two due now are decoded first and the one due later after
-    them (not dropped, not starved). The server confirms all three in one scan, so they share a
-    seen time; claims take the lowest free slot here, so the one due later has the lowest slot
-    and a plan by arrival alone would take it first."""
-    monkeypatch.setattr("bicodec_shm.protocol.attachment.random.randrange", lambda n: 0)
+def _decode_behind_a_running_batch(thread_server, shm_name, queued: list[tuple[int, float]]):
+    """Real server, real shared memory, one row a batch: a 2-token request runs in the
+    decoder while ``queued`` ((tokens, due_in) each, submitted in that order) waits behind it;
+    then every batch runs. Returns (the lengths of each batch decoded, tokens -> audio)."""
     decoder = _LengthLog()
     server = thread_server(decoder, max_batch=1, lanes=1)
     results: dict[int, np.ndarray] = {}
@@ -127,15 +123,27 @@ def test_the_server_decodes_a_stream_about_to_run_dry_before_one_with_audio_ahea
         threads = [threading.Thread(target=decode, args=(2, 0.0))]
         threads[0].start()
         decoder.wait_entered(1)  # the 2-token request is in the decoder; the rest queue behind it
-        for count, (n, due_in) in enumerate([(3, 5.0), (5, 0.0), (7, 0.0)], start=2):
+        for count, (n, due_in) in enumerate(queued, start=2):
             threads.append(threading.Thread(target=decode, args=(n, due_in)))
             threads[-1].start()
             wait_submitted(server.segment, count, server=server)
-        for _ in range(4):
+        for _ in range(len(threads)):
             decoder.step()
         for t in threads:
             t.join(30)
-    assert decoder.lengths == [[2], [5], [7], [3]]
+    return decoder.lengths, results
+
+
+def test_the_server_decodes_a_stream_about_to_run_dry_before_one_with_audio_ahead(thread_server, shm_name,
+                                                                                   monkeypatch):
+    """Real server, real shared memory, one row a batch: behind a running batch wait a request
+    due in 5 s, then two due now; the two due now are decoded first and the one due later after
+    them (not dropped, not starved). The server confirms all three in one scan, so they share a
+    seen time; claims take the lowest free slot here, so the one due later has the lowest slot
+    and a plan by arrival alone would take it first."""
+    monkeypatch.setattr("bicodec_shm.protocol.attachment.random.randrange", lambda n: 0)
+    lengths, results = _decode_behind_a_running_batch(thread_server, shm_name, [(3, 5.0), (5, 0.0), (7, 0.0)])
+    assert lengths == [[2], [5], [7], [3]]
     assert sorted(results) == [2, 3, 5, 7] and all(len(results[n]) == 320 * n for n in results)
 
 
@@ -174,24 +182,8 @@ def test_a_new_streams_first_window_goes_before_a_playing_streams_late_window(th
     """Real server, one row a batch: behind a running batch wait a window of a stream that has
     run dry (seen first) and then a new stream's first window; the first window is decoded
     first, and the late window right after it."""
-    decoder = _LengthLog()
-    server = thread_server(decoder, max_batch=1, lanes=1)
-    results: dict[int, np.ndarray] = {}
-    with DecoderClient(shm_name, slots=8) as client:
-        def decode(n: int, due_in: float) -> None:
-            results[n] = client.decode(np.arange(n) % 8192, GLB, due_in=due_in, timeout=30)
-
-        threads = [threading.Thread(target=decode, args=(2, 0.0))]
-        threads[0].start()
-        decoder.wait_entered(1)  # the 2-token request is in the decoder; the rest queue behind it
-        # A playing stream's window that has run dry (0 s ahead, plus the lead), then a first window.
-        for count, (n, due_in) in enumerate([(3, PLAYING_LEAD_S), (5, 0.0)], start=2):
-            threads.append(threading.Thread(target=decode, args=(n, due_in)))
-            threads[-1].start()
-            wait_submitted(server.segment, count, server=server)
-        for _ in range(3):
-            decoder.step()
-        for t in threads:
-            t.join(30)
-    assert decoder.lengths == [[2], [5], [3]]
+    # A playing stream's window that has run dry (0 s ahead, plus the lead), then a first window.
+    queued = [(3, PLAYING_LEAD_S), (5, 0.0)]
+    lengths, results = _decode_behind_a_running_batch(thread_server, shm_name, queued)
+    assert lengths == [[2], [5], [3]]
     assert sorted(results) == [2, 3, 5] and all(len(results[n]) == 320 * n for n in results)

@@ -18,18 +18,23 @@ from .lane_tuner import BatchMeter, Choice, LaneTuner, LaneTuning
 from .lanes import lane_threads
 
 # Lanes on CPU: the server measures which count serves best (lane_tuner.py) among these, up to
-# the cores it has, starting from the one the load predicts, read while DEFAULT_CPU_LANES run.
+# twice the cores it has, starting from the one the load predicts, read while DEFAULT_CPU_LANES
+# run. Lanes beyond the cores time-share them, one thread each: a request that comes while every
+# core is inside a long batch (a full-size stream's window of seconds) starts at once instead of
+# waiting for one to end. The busy-time score charges the sharing (two decodes on one core each
+# take twice as long and are charged half), so oversubscribing wins only what it really serves.
 # More than 4 is left to --lanes: each lane holds a batch's activations of its own.
 CPU_LANE_CANDIDATES = (1, 2, 4)
 DEFAULT_CPU_LANES = 2
+LANES_PER_CORE = 2  # the most lanes the tuner tries per core
 
 
 class LaneControl:
     """The lanes running now (``lanes``), those started (``max_lanes``), and the tuner.
 
     Args:
-        lanes: a fixed count, or None: tuned among ``CPU_LANE_CANDIDATES`` (up to ``cores``)
-            when ``tunable`` (a CPU), else 1.
+        lanes: a fixed count, or None: tuned among ``CPU_LANE_CANDIDATES`` (up to
+            ``LANES_PER_CORE x cores``) when ``tunable`` (a CPU with 2+ cores), else 1.
         cores: the intra-op threads the lanes share.
         tunable: the decoder runs on the CPU, not a device (nor a decoder playing one).
         pipelined: the lanes launch on a device (no thread count of their own).
@@ -41,7 +46,8 @@ class LaneControl:
                  tuning: LaneTuning | None, on_change: Callable[[int], None]) -> None:  # fmt: skip
         self.cores = cores
         self.pipelined = pipelined
-        candidates = [c for c in CPU_LANE_CANDIDATES if c <= cores]
+        # One core runs one lane: nothing runs side by side there to weigh a shared core against.
+        candidates = [c for c in CPU_LANE_CANDIDATES if c <= LANES_PER_CORE * cores] if cores > 1 else [1]
         self.tuner: LaneTuner | None = None
         if lanes is None and tunable and len(candidates) > 1:
             lanes = min(DEFAULT_CPU_LANES, candidates[-1])

@@ -101,7 +101,7 @@ class DecoderServer:
         reap_interval: seconds between scans for slots of dead clients.
         lanes: decode lanes (threads sharing the weights, splitting the cores on CPU); None:
             1 on CUDA; on a CPU with 2+ cores, predicted from the first batches' load, then
-            chosen among 1, 2 and 4 (up to the cores) by measuring each live (lane_tuner.py).
+            chosen among 1, 2 and 4 (up to twice the cores) by measuring each live (lane_tuner.py).
         lane_tuning: the measuring's knobs (``LaneTuning``) when ``lanes`` is None on a CPU.
         batching: "auto": batch only where the batches measured so far say it pays
             (batch_costs.py), within the bounds above; "static": every row the bounds admit.

@@ -327,11 +327,11 @@ def test_a_stop_wakes_the_lanes_the_tuner_parked(thread_server, shm_name):
     decoder = reference_model()  # (built first: its first build sets one thread)
     torch.set_num_threads(4)  # 4 cores for this server: lanes 1, 2 and 4 to choose from
     server = thread_server(decoder, reap_interval=600)  # (the fixture restores the thread count)
-    assert server.lanes == 2 and server.max_lanes == 4  # two lanes to park
-    turns = server._lanes._turns  # the Condition parked lanes wait on: both must be waiting
+    assert server.lanes == 1 and server.max_lanes == 4  # three lanes to park
+    turns = server._lanes._turns  # the Condition parked lanes wait on: all three must be waiting
     deadline = time.monotonic() + 30
-    while len(turns._waiters) < 2:  # (a stop before they park would find nothing to wake)
-        assert time.monotonic() < deadline, "the two lanes beyond the running count never parked"
+    while len(turns._waiters) < 3:  # (a stop before they park would find nothing to wake)
+        assert time.monotonic() < deadline, "the three lanes beyond the running count never parked"
         time.sleep(0.01)
     server.stop()
     server._thread.join(5)

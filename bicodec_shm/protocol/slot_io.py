@@ -119,7 +119,8 @@ class Batch:
 
     ``semantic`` (B, T) int64: level 0's codes (BiCodec's semantic ids), right-padded with 0;
     ``global_ids`` (B, n_global) int64; ``levels`` the codes of levels 1.. (B, r_i·T) int64,
-    padded likewise (empty for a one-level codec).
+    padded likewise (empty for a one-level codec). ``queued``: the requests that waited when it
+    was planned, its own included (0: not counted; the server's reading of its load).
     """
 
     requests: Requests
@@ -127,6 +128,7 @@ class Batch:
     global_ids: np.ndarray
     started_ns: int
     levels: tuple[np.ndarray, ...] = ()
+    queued: int = 0
 
     @property
     def codes(self) -> list[np.ndarray]:

@@ -18,14 +18,14 @@ from .lane_tuner import BatchMeter, Choice, LaneTuner, LaneTuning
 from .lanes import lane_threads
 
 # Lanes on CPU: the server measures which count serves best (lane_tuner.py) among these, up to
-# twice the cores it has, starting from the one the load predicts, read while DEFAULT_CPU_LANES
-# run. Lanes beyond the cores time-share them, one thread each: a request that comes while every
-# core is inside a long batch (a full-size stream's window of seconds) starts at once instead of
-# waiting for one to end. The busy-time score charges the sharing (two decodes on one core each
-# take twice as long and are charged half), so oversubscribing wins only what it really serves.
+# twice the cores it has, starting from the one the load predicts, read on one lane with every
+# core (what one client gets: it pays nothing for the reading). Lanes beyond the cores
+# time-share them, one thread each: a request that comes while every core is inside a long
+# batch (a full-size stream's window of seconds) starts at once instead of waiting for one to
+# end. The busy-time score charges the sharing (two decodes on one core each take twice as long
+# and are charged half), so oversubscribing wins only what it really serves.
 # More than 4 is left to --lanes: each lane holds a batch's activations of its own.
 CPU_LANE_CANDIDATES = (1, 2, 4)
-DEFAULT_CPU_LANES = 2
 LANES_PER_CORE = 2  # the most lanes the tuner tries per core
 
 
@@ -50,7 +50,7 @@ class LaneControl:
         candidates = [c for c in CPU_LANE_CANDIDATES if c <= LANES_PER_CORE * cores] if cores > 1 else [1]
         self.tuner: LaneTuner | None = None
         if lanes is None and tunable and len(candidates) > 1:
-            lanes = min(DEFAULT_CPU_LANES, candidates[-1])
+            lanes = candidates[0]
             self.tuner = LaneTuner(candidates, lanes, tuning, predict=True)
         self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
         self.max_lanes = candidates[-1] if self.tuner else self.lanes  # lane threads started
@@ -90,7 +90,8 @@ class LaneControl:
             return None
         req = batch.requests
         sample = self._meter.end(id(batch), planned_ns=batch.started_ns, tokens=int(req.lengths.sum()),
-                                 rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]))
+                                 rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]),
+                                 queued=batch.queued)  # fmt: skip
         # Only a batch decoded with the thread count of the arrangement being measured (right
         # after a switch, a lane being parked may still finish one with its old count), once
         # the batching policy is measured too (batch_costs.py): arrangements compare alike. The

@@ -38,9 +38,14 @@ Phases::
     START     (only with ``predict``: the server's) ``start`` runs while the load is read
               from the first ``min_batches`` batches: the requests decoding at once
               during each, ``rows x decode time / share`` (a batch alone: its rows; two batches
-              of 4 side by side: 8 each). One request at a time (every reading 1) predicts one
-              lane with every core; a reading past 1.5 (another request decoding beside, or a
-              batch of several) predicts the most lanes, at once. The prediction holds for
+              of 4 side by side: 8 each), or, where more, the requests that waited when it was
+              planned (``queued``: its rows and those left for later). One request at a time
+              (every reading 1) predicts one lane with every core; a reading past 1.5 (another
+              request decoding beside, a batch of several, or requests queued behind it)
+              predicts the most lanes, at once. The server reads on one lane with every core
+              (``start`` = 1): what one request at a time gets, so that it pays nothing for the
+              reading, while load shows at the first plan that finds more than one request
+              waiting (a single lane cannot show it as a batch beside its own). The prediction holds for
               ``first_hold_seconds`` before the first exploration (from it), so that a fresh
               server does not pay for measuring the arrangements the rule already rules out.
               The rule is the light and heavy cases below, which hold on any device: with one
@@ -123,6 +128,7 @@ class BatchSample:
         rows: its rows.
         padded_tokens: rows x its longest row's tokens (0: not given).
         busy_ns: its share of the busy time (``BusyClock``); None: it ran alone (its decode time).
+        queued: the requests waiting when it was planned, its rows included (0: not counted).
     """
 
     planned_ns: int
@@ -132,6 +138,7 @@ class BatchSample:
     rows: int = 1
     padded_tokens: int = 0
     busy_ns: int | None = None
+    queued: int = 0
 
     @property
     def decode_ns(self) -> int:
@@ -202,14 +209,14 @@ class BatchMeter:
         self._running[key] = (self._clock(), self.busy.begin())
 
     def end(self, key: Hashable, *, planned_ns: int, tokens: int, rows: int = 1,
-            padded_tokens: int = 0) -> BatchSample | None:  # fmt: skip
+            padded_tokens: int = 0, queued: int = 0) -> BatchSample | None:  # fmt: skip
         """The batch ``key`` ended: its sample (None if it did not begin here)."""
         begun = self._running.pop(key, None)
         if begun is None:
             return None
         start_ns, mark = begun
         share = self.busy.end(mark)
-        return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, share)
+        return BatchSample(planned_ns, start_ns, self._clock(), tokens, rows, padded_tokens, share, queued)
 
 
 # More than this many requests decoding at once during a batch (a mean over its decode) is load:
@@ -217,11 +224,14 @@ class BatchMeter:
 LOADED = 1.5
 
 
-def _decoding_at_once(sample: BatchSample) -> float:
+def _load_of(sample: BatchSample) -> float:
     """The requests decoding at once during ``sample``, on average: its rows x its decode time /
-    its share of the busy time (alone: its rows; beside one other batch throughout: twice)."""
+    its share of the busy time (alone: its rows; beside one other batch throughout: twice); or
+    the requests that waited when it was planned, where more (a lane of its own cannot show the
+    others as batches beside it)."""
     share = sample.share_ns
-    return sample.rows * sample.decode_ns / share if share > 0 else float(sample.rows)
+    at_once = sample.rows * sample.decode_ns / share if share > 0 else float(sample.rows)
+    return max(at_once, float(sample.queued))
 
 
 @dataclass
@@ -338,7 +348,7 @@ class LaneTuner:
         """START: read the requests decoding at once during ``sample``; predict from them."""
         if sample.planned_ns < self._load_since:
             return None
-        self._load.append(_decoding_at_once(sample))
+        self._load.append(_load_of(sample))
         peak = max(self._load)
         loaded = peak > LOADED
         if not loaded and len(self._load) < self.tuning.min_batches:
@@ -360,14 +370,14 @@ class LaneTuner:
         a lone batch among the most lanes' is no sign that the load is gone.)"""
         if self.lanes != self.candidates[0] or sample.planned_ns < self._held_since:
             return None
-        at_once = _decoding_at_once(sample)
+        at_once = _load_of(sample)
         if at_once <= LOADED:
             return None
         self.lanes = self._incumbent = self.candidates[-1]
         return self._predict(self.lanes, at_once)
 
     def _predict(self, lanes: int, at_once: float) -> Choice:
-        reason = f"predicted from the load: up to {at_once:.1f} requests decoding at once"
+        reason = f"predicted from the load: up to {at_once:.1f} requests decoding or waiting at once"
         return self._record(Choice(lanes, reason))
 
     def _begin_exploring(self, incumbent: int, reason: str) -> None:

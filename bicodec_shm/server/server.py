@@ -454,6 +454,7 @@ class DecoderServer:
                 self._answer_failure(slot, status, message, req)
             self._policy.host_step("plan", time.perf_counter_ns() - t0)
             if batch is not None:
+                batch.queued = len(ready)  # its rows and those left for later
                 return batch
         return None
 

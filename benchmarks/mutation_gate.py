@@ -390,6 +390,22 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/server/lane_control.py",
       "if c <= LANES_PER_CORE * cores]", "if c <= cores]",
       "tests/test_lane_tuner.py", "-k", "fresh_server or settles"),
+    m("short-batches-share-the-cores", "load predicts more lanes than cores behind batches of a few ms",
+      "bicodec_shm/server/lane_tuner.py",
+      "if self._cores is None or self._longest_ns >= LONG_BATCH_S * 1e9:", "if True:",
+      "tests/test_lane_tuner.py", "-k", "share_the_cores or fresh_server"),
+    m("long-batches-never-share-the-cores", "load predicts only lanes of a core each, behind batches "
+      "of seconds",
+      "bicodec_shm/server/lane_tuner.py",
+      "self._longest_ns >= LONG_BATCH_S * 1e9", "self._longest_ns >= float('inf')",
+      "tests/test_lane_tuner.py", "-k", "share_the_cores or long_batch"),
+    m("long-batch-in-the-hold-ignored", "a long batch after the prediction changes nothing until the "
+      "first exploration",
+      "bicodec_shm/server/lane_tuner.py",
+      "            return None\n        self._longest_ns = max(self._longest_ns, sample.decode_ns)\n"
+      "        at_once = _load_of(sample)",
+      "            return None\n        at_once = _load_of(sample)",
+      "tests/test_lane_tuner.py", "-k", "long_batch"),
     # -- batching and dispatch measured on the live traffic ----------------------------------------
     m("join-always-pays", "a row joins a batch whatever the measured costs say",
       "bicodec_shm/server/batch_costs.py",
@@ -871,12 +887,12 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- a fresh server starts from the load's prediction ----------------------------------------
     m("fresh-start-most-lanes-for-one-client", "one request at a time is predicted the most lanes",
       "bicodec_shm/server/lane_tuner.py",
-      "lanes = self.candidates[-1] if loaded else self.candidates[0]", "lanes = self.candidates[-1]",
-      "tests/test_lane_tuner.py", "-k", "one_request_at_a_time or read_the_load or fresh_server"),
+      "lanes = self._loaded_lanes() if loaded else self.candidates[0]", "lanes = self._loaded_lanes()",
+      "tests/test_lane_tuner.py", "-k", "one_request_at_a_time or reads_the_load or fresh_server"),
     m("fresh-start-one-lane-under-load", "concurrent requests are predicted one lane",
       "bicodec_shm/server/lane_tuner.py",
-      "lanes = self.candidates[-1] if loaded else self.candidates[0]", "lanes = self.candidates[0]",
-      "tests/test_lane_tuner.py", "-k", "concurrent_requests or read_the_load or fresh_server"),
+      "lanes = self._loaded_lanes() if loaded else self.candidates[0]", "lanes = self.candidates[0]",
+      "tests/test_lane_tuner.py", "-k", "concurrent_requests or reads_the_load or fresh_server"),
     m("fresh-start-load-ignores-overlap", "the load read is a batch's rows, not the requests decoding "
       "at once",
       "bicodec_shm/server/lane_tuner.py",
@@ -893,8 +909,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_lane_tuner.py", "-k", "one_request_at_a_time or first_hold or fresh_server"),
     m("fresh-server-explores-first", "a fresh CPU server explores at once instead of predicting",
       "bicodec_shm/server/lane_control.py",
-      "self.tuner = LaneTuner(candidates, lanes, tuning, predict=True)",
-      "self.tuner = LaneTuner(candidates, lanes, tuning)",
+      "self.tuner = LaneTuner(candidates, lanes, tuning, predict=True, cores=cores)",
+      "self.tuner = LaneTuner(candidates, lanes, tuning, cores=cores)",
       "tests/test_lane_tuner.py", "-k", "fresh_server"),
     m("fresh-start-late-load-waits-a-minute", "clients that start after the first wait for the first "
       "exploration: one lane predicted holds through load for the whole first hold",

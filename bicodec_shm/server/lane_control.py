@@ -22,8 +22,9 @@ from .lanes import lane_threads
 # core (what one client gets: it pays nothing for the reading). Lanes beyond the cores
 # time-share them, one thread each: a request that comes while every core is inside a long
 # batch (a full-size stream's window of seconds) starts at once instead of waiting for one to
-# end. The busy-time score charges the sharing (two decodes on one core each take twice as long
-# and are charged half), so oversubscribing wins only what it really serves.
+# end; load predicts them behind long batches only (LONG_BATCH_S). The busy-time score charges
+# the sharing (two decodes on one core each take twice as long and are charged half), so
+# oversubscribing wins only what it really serves.
 # More than 4 is left to --lanes: each lane holds a batch's activations of its own.
 CPU_LANE_CANDIDATES = (1, 2, 4)
 LANES_PER_CORE = 2  # the most lanes the tuner tries per core
@@ -51,7 +52,7 @@ class LaneControl:
         self.tuner: LaneTuner | None = None
         if lanes is None and tunable and len(candidates) > 1:
             lanes = candidates[0]
-            self.tuner = LaneTuner(candidates, lanes, tuning, predict=True)
+            self.tuner = LaneTuner(candidates, lanes, tuning, predict=True, cores=cores)
         self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
         self.max_lanes = candidates[-1] if self.tuner else self.lanes  # lane threads started
         self._on_change = on_change

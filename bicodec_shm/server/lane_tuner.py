@@ -39,21 +39,27 @@ Phases::
               from the first ``min_batches`` batches: the requests decoding at once
               during each, ``rows x decode time / share`` (a batch alone: its rows; two batches
               of 4 side by side: 8 each), or, where more, the requests that waited when it was
-              planned (``queued``: its rows and those left for later). One request at a time
-              (every reading 1) predicts one lane with every core; a reading past 1.5 (another
-              request decoding beside, a batch of several, or requests queued behind it)
-              predicts the most lanes, at once. The server reads on one lane with every core
-              (``start`` = 1): what one request at a time gets, so that it pays nothing for the
-              reading, while load shows at the first plan that finds more than one request
-              waiting (a single lane cannot show it as a batch beside its own). The prediction holds for
-              ``first_hold_seconds`` before the first exploration (from it), so that a fresh
-              server does not pay for measuring the arrangements the rule already rules out.
-              The rule is the light and heavy cases below, which hold on any device: with one
-              request at a time, narrow lanes only take turns, each slower; with more, every
-              lane has a batch and the work runs in parallel. During the first hold, a
-              prediction of one lane gives way to the most lanes at the first batch that shows
-              load (clients that start after the first); not the other way: one lone batch
-              among the most lanes' is no sign that the load has gone.
+              planned (``queued``: its rows and those left for later). The server reads on one
+              lane with every core (``start`` = 1): what one request at a time gets, so that it
+              pays nothing for the reading, while load shows at the first plan that finds more
+              than one request waiting (a single lane cannot show it as a batch beside its own).
+              One request at a time (every reading 1) predicts one lane with every core; a
+              reading past 1.5 (another request decoding beside, a batch of several, or
+              requests queued behind it) predicts, at once, the most lanes that do not share a
+              core (``cores``); or, where a batch read took ``LONG_BATCH_S`` or more, the most
+              lanes of all: behind batches of seconds (a full-size stream's window on a CPU) a
+              request that comes while every core decodes would wait for one to end, while
+              lanes that time-share the cores start it at once. (Short batches gain nothing
+              from sharing a core, and their lanes' Python contends for one interpreter lock.)
+              The prediction holds for ``first_hold_seconds`` before the first exploration
+              (from it), so that a fresh server does not pay for measuring the arrangements
+              the rule already rules out. The rule is the light and heavy cases below, which
+              hold on any device: with one request at a time, narrow lanes only take turns,
+              each slower; with more, every lane has a batch and the work runs in parallel.
+              During the first hold, a prediction of one lane gives way to what load predicts
+              at the first batch that shows load (clients that start after the first), and
+              lanes that do not share a core to the most of all at the first long batch; never
+              the other way: one lone or short batch is no sign that the load has gone.
     EXPLORE   candidates are measured in the order  c0 c1 .. ck ck .. c1 c0  (each twice,
               mirrored, so that a drift in the traffic over the phase weighs on every
               candidate alike); a window lasts until at least ``min_batches`` batches planned
@@ -99,7 +105,10 @@ class LaneTuning:
             chosen without the mirror pass.
         hold_seconds: how long a choice holds before the next exploration.
         first_hold_seconds: how long the arrangement predicted from the load at the start holds
-            before the first exploration (a tuner built with ``predict``).
+            before the first exploration (a tuner built with ``predict``): as long as a measured
+            choice, since the rule's prediction is the choice measuring most often keeps, while
+            an exploration's windows can cost its traffic a quarter more (one lane of two
+            threads against two of one, full-size Qwen3-TTS at 16 streams on a 2-core CPU).
     """
 
     min_batches: int = 4
@@ -107,7 +116,7 @@ class LaneTuning:
     margin: float = 0.05
     decisive: float = 0.2
     hold_seconds: float = 300.0
-    first_hold_seconds: float = 60.0
+    first_hold_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         if min(self.min_seconds, self.hold_seconds, self.first_hold_seconds) < 0 or self.min_batches < 1:
@@ -222,6 +231,9 @@ class BatchMeter:
 # More than this many requests decoding at once during a batch (a mean over its decode) is load:
 # 1.0 is one request alone; another lane's batch beside it for half its decode makes 1.5.
 LOADED = 1.5
+# Under load, batches this long (read on the fresh server's lane) predict lanes that share the
+# cores: a request arriving behind them would wait about half of one (START, module docstring).
+LONG_BATCH_S = 0.2
 
 
 def _load_of(sample: BatchSample) -> float:
@@ -279,10 +291,13 @@ class LaneTuner:
         clock: monotonic nanoseconds (tests step it by hand).
         predict: read the load first and hold the arrangement it predicts (START, module
             docstring); else explore from ``start`` at once.
+        cores: candidates up to this many run side by side without sharing a core (None: all
+            of them); load predicts the most of those unless its batches are long.
     """
 
     def __init__(self, candidates: Sequence[int], start: int, tuning: LaneTuning | None = None,
-                 clock: Callable[[], int] = time.monotonic_ns, *, predict: bool = False) -> None:  # fmt: skip
+                 clock: Callable[[], int] = time.monotonic_ns, *, predict: bool = False,
+                 cores: int | None = None) -> None:  # fmt: skip
         cands = sorted(set(int(c) for c in candidates))
         if len(cands) < 2 or cands[0] < 1:
             raise ValueError(f"a lane tuner needs two or more lane counts >= 1, got {candidates}")
@@ -298,6 +313,8 @@ class LaneTuner:
         # START: the requests decoding at once during each batch read so far (None: read).
         self._load: list[float] | None = None
         self._predicted = False
+        self._cores = cores
+        self._longest_ns = 0  # the longest decode read at the start (START)
         if predict:
             self._load = []
             self._load_since = self._clock()
@@ -349,11 +366,12 @@ class LaneTuner:
         if sample.planned_ns < self._load_since:
             return None
         self._load.append(_load_of(sample))
+        self._longest_ns = max(self._longest_ns, sample.decode_ns)
         peak = max(self._load)
         loaded = peak > LOADED
         if not loaded and len(self._load) < self.tuning.min_batches:
             return None
-        lanes = self.candidates[-1] if loaded else self.candidates[0]
+        lanes = self._loaded_lanes() if loaded else self.candidates[0]
         self._load = None
         self._predicted = True
         self._incumbent = lanes
@@ -365,19 +383,33 @@ class LaneTuner:
         return choice if changed else None
 
     def _reread_load(self, sample: BatchSample) -> Choice | None:
-        """The first hold of a prediction of one lane: load that comes later (clients that start
-        after the first) predicts the most lanes at once, not a minute later. (The other way,
-        a lone batch among the most lanes' is no sign that the load is gone.)"""
-        if self.lanes != self.candidates[0] or sample.planned_ns < self._held_since:
+        """The first hold of a prediction: load that comes later (clients that start after the
+        first) turns one lane into what load predicts at once, not minutes later; and under
+        load, a batch that turns out long (a stream's later, longer windows) turns lanes that
+        do not share a core into the most of all. Only ever more lanes: a lone or short batch
+        among many lanes' is no sign that the load or the long batches have gone."""
+        if sample.planned_ns < self._held_since:
             return None
+        self._longest_ns = max(self._longest_ns, sample.decode_ns)
         at_once = _load_of(sample)
-        if at_once <= LOADED:
+        if self.lanes == self.candidates[0] and at_once <= LOADED:
             return None
-        self.lanes = self._incumbent = self.candidates[-1]
-        return self._predict(self.lanes, at_once)
+        lanes = self._loaded_lanes()
+        if lanes <= self.lanes:
+            return None
+        self.lanes = self._incumbent = lanes
+        return self._predict(lanes, at_once)
+
+    def _loaded_lanes(self) -> int:
+        """What load predicts: the most lanes that do not share a core, or, behind long
+        batches, the most of all."""
+        if self._cores is None or self._longest_ns >= LONG_BATCH_S * 1e9:
+            return self.candidates[-1]
+        return max([c for c in self.candidates if c <= self._cores] or self.candidates[:1])
 
     def _predict(self, lanes: int, at_once: float) -> Choice:
-        reason = f"predicted from the load: up to {at_once:.1f} requests decoding or waiting at once"
+        reason = (f"predicted from the load: up to {at_once:.1f} requests decoding or waiting at once, "
+                  f"batches up to {self._longest_ns / 1e6:.0f} ms")  # fmt: skip
         return self._record(Choice(lanes, reason))
 
     def _begin_exploring(self, incumbent: int, reason: str) -> None:

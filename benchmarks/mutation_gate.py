@@ -406,6 +406,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "        at_once = _load_of(sample)",
       "            return None\n        at_once = _load_of(sample)",
       "tests/test_lane_tuner.py", "-k", "long_batch"),
+    m("long-batch-alone-shares-the-cores", "in the first hold a long batch without load still turns "
+      "lanes of a core each into the most",
+      "bicodec_shm/server/lane_tuner.py",
+      "        if at_once <= LOADED:\n            return None\n        lanes = self._loaded_lanes()",
+      "        lanes = self._loaded_lanes()",
+      "tests/test_lane_tuner.py", "-k", "long_batch"),
     # -- batching and dispatch measured on the live traffic ----------------------------------------
     m("join-always-pays", "a row joins a batch whatever the measured costs say",
       "bicodec_shm/server/batch_costs.py",

@@ -308,9 +308,9 @@ def test_load_predicts_lanes_that_share_the_cores_only_behind_long_batches(decod
 
 
 def test_a_long_batch_in_the_first_hold_turns_lanes_of_a_core_each_into_the_most():
-    """Loaded with short batches, two lanes hold; the first long batch (a stream's later,
-    longer window) turns them into four at once; short and lone batches after it change
-    nothing."""
+    """Loaded with short batches, two lanes hold; a long batch alone changes nothing (no sign of
+    load); the first long batch under load (a stream's later, longer window) turns them into
+    four at once; short and lone batches after it change nothing."""
     clock = _Clock()
     tuner = LaneTuner([1, 2, 4], start=1, tuning=START, clock=clock, predict=True, cores=2)
 
@@ -322,7 +322,8 @@ def test_a_long_batch_in_the_first_hold_turns_lanes_of_a_core_each_into_the_most
     assert batch(50, queued=2).lanes == 2
     for _ in range(5):
         assert batch(50, rows=2) is None
-    choice = batch(400)
+    assert batch(400) is None and tuner.lanes == 2  # one request alone: no load to share the cores for
+    choice = batch(400, queued=2)
     assert choice is not None and choice.lanes == tuner.lanes == 4 and choice.reason.startswith("predicted")
     for _ in range(5):
         assert batch(50) is None

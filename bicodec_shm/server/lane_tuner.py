@@ -383,16 +383,17 @@ class LaneTuner:
         return choice if changed else None
 
     def _reread_load(self, sample: BatchSample) -> Choice | None:
-        """The first hold of a prediction: load that comes later (clients that start after the
-        first) turns one lane into what load predicts at once, not minutes later; and under
-        load, a batch that turns out long (a stream's later, longer windows) turns lanes that
-        do not share a core into the most of all. Only ever more lanes: a lone or short batch
-        among many lanes' is no sign that the load or the long batches have gone."""
+        """The first hold of a prediction: a batch that shows load predicts again, and more lanes
+        than run now are taken at once, not minutes later: one lane gives way to load that comes
+        later (clients that start after the first), and lanes that do not share a core to the
+        most of all once batches under load turn out long (a stream's later, longer windows).
+        Only ever more lanes, and only on load: a lone or short batch is no sign that the load
+        or the long batches have gone, and a long batch alone is no sign of load."""
         if sample.planned_ns < self._held_since:
             return None
         self._longest_ns = max(self._longest_ns, sample.decode_ns)
         at_once = _load_of(sample)
-        if self.lanes == self.candidates[0] and at_once <= LOADED:
+        if at_once <= LOADED:
             return None
         lanes = self._loaded_lanes()
         if lanes <= self.lanes:
@@ -405,7 +406,7 @@ class LaneTuner:
         batches, the most of all."""
         if self._cores is None or self._longest_ns >= LONG_BATCH_S * 1e9:
             return self.candidates[-1]
-        return max([c for c in self.candidates if c <= self._cores] or self.candidates[:1])
+        return max((c for c in self.candidates if c <= self._cores), default=self.candidates[0])
 
     def _predict(self, lanes: int, at_once: float) -> Choice:
         reason = (f"predicted from the load: up to {at_once:.1f} requests decoding or waiting at once, "

@@ -27,7 +27,7 @@ the cut exactly what the whole utterance's decode gives it::
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +155,9 @@ class Qwen3TTSDecoder(nn.Module):
     @torch.inference_mode()
     def detokenize(self, codes: IdsLike | Sequence[IdsLike],
                    lengths: IdsLike | Sequence[int] | None = None, *,
-                   start_frames: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+                   start_frames: Sequence[int] | None = None,
+                   window_decoder: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   ) -> torch.Tensor:  # fmt: skip
         """Decode a right-padded batch; each row's audio is what qwen-tts's ``decode`` gives it.
 
         Args:
@@ -164,6 +166,8 @@ class Qwen3TTSDecoder(nn.Module):
             lengths: (B,) valid frames per row, each in ``[1, T]``; None means all T.
             start_frames: (B,) frame of its utterance where each row starts (a stream's window):
                 the chunk grid is the utterance's (see the module docstring). None: all 0.
+            window_decoder: what decodes each padded window (B, 16, W) -> (B, 1, 1920·W); None:
+                ``self.decoder``. The server's CPU lanes pass its traced graph (model/traced.py).
 
         Returns:
             float32 audio (B, 1920·T) in [-1, 1] on the model's device; row i holds
@@ -177,6 +181,7 @@ class Qwen3TTSDecoder(nn.Module):
         spf = self.config.samples_per_frame
         host_lens = lens.tolist() if lens is not None else [frames] * batch
         starts = _check_starts(start_frames, batch)
+        decode = self.decoder if window_decoder is None else window_decoder
         ids = ids.to(self.device)
         out = torch.zeros((batch, spf * frames), device=self.device)
         # Pass k decodes every row's k-th chunk window, right-padded to the longest of them.
@@ -188,7 +193,7 @@ class Qwen3TTSDecoder(nn.Module):
             window = torch.zeros((len(rows), ids.shape[1], width), dtype=ids.dtype, device=self.device)
             for j, (i, (context, first, end)) in enumerate(zip(rows, cut, strict=True)):
                 window[j, :, : end - first + context] = ids[i, :, first - context : end]
-            audio = self.decoder(window)[:, 0]  # (rows, spf·width)
+            audio = decode(window)[:, 0]  # (rows, spf·width)
             for j, (i, (context, first, end)) in enumerate(zip(rows, cut, strict=True)):
                 out[i, first * spf : end * spf] = audio[j, context * spf : (context + end - first) * spf]
         if min(host_lens) < frames:

@@ -12,6 +12,7 @@ import torch
 
 from ...codecs.layout import CodecLayout
 from ...protocol.slot_io import Batch
+from ..traced import TracedForward
 
 
 class Qwen3TTSAdapter:
@@ -20,10 +21,15 @@ class Qwen3TTSAdapter:
     def __init__(self, decoder) -> None:  # noqa: ANN001 - a Qwen3TTSDecoder (no import cycle)
         self.decoder = decoder
         self.layout: CodecLayout = decoder.config.layout
+        # On a CPU every lane (each has its own adapter) replays the window decoder as a graph
+        # that runs without the GIL, so lanes decode at once as processes would (traced.py).
+        cpu = decoder.device.type == "cpu"
+        self.window_decoder = TracedForward(decoder.decoder) if cpu else None
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
         """(B, 1920·T) float32 audio; row i equals its lone decode."""
         codes = torch.from_numpy(np.stack(batch.codes, axis=1))  # 16 x (B, T) -> (B, 16, T)
         starts = batch.requests.start_frames
         starts = None if starts is None else starts.tolist()
-        return self.decoder.detokenize(codes, torch.from_numpy(batch.lengths), start_frames=starts)
+        return self.decoder.detokenize(codes, torch.from_numpy(batch.lengths), start_frames=starts,
+                                       window_decoder=self.window_decoder)  # fmt: skip

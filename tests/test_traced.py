@@ -1,0 +1,112 @@
+"""The CPU lanes' traced graphs (model/traced.py): bit for bit the eager forward, across batch
+sizes, lengths, stream starts and dtypes; built once when lanes call at once; run without the
+module's Python; and an eager fallback, with one warning, where tracing fails."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from bicodec_shm.model.qwen3_tts import Qwen3TTSDecoder
+from bicodec_shm.model.traced import TracedForward
+
+
+def codes(batch: int, frames: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2048, (batch, 16, frames), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_windows_through_the_graph_equal_the_eager_decode_bit_for_bit(dtype):
+    """One graph, traced at the first shape, then batches of other sizes and lengths, padded
+    rows, stream windows with left context, and rows across the 300-frame chunk."""
+    decoder = Qwen3TTSDecoder.from_config("tiny", seed=0, dtype=dtype)
+    adapter = decoder.codec_adapter()
+    graph = adapter.window_decoder
+    assert isinstance(graph, TracedForward) and graph.graph is None  # traced at the first batch
+    cases = [  # (codes, lengths, start_frames)
+        (codes(1, 2, 0), None, None),
+        (codes(3, 27, 1), [27, 9, 1], None),
+        (codes(2, 8, 2), [8, 4], [40, 296]),  # stream windows: context before, one across 300
+        (codes(4, 50, 3), [50, 50, 31, 2], [0, 8, 16, 325]),
+        (codes(2, 310, 4), [310, 305], None),  # two chunk passes per row
+    ]
+    for ids, lengths, starts in cases:
+        lens = None if lengths is None else torch.tensor(lengths)
+        eager = decoder.detokenize(ids, lens, start_frames=starts)
+        traced = decoder.detokenize(ids, lens, start_frames=starts, window_decoder=graph)
+        assert traced.dtype == eager.dtype and torch.equal(traced, eager), (ids.shape, lengths, starts)
+    assert graph.graph is not None and not graph.failed
+
+
+def test_the_graph_runs_without_the_modules_python():
+    """The point of the graph: after the trace, no call goes back through the eager forward."""
+    decoder = Qwen3TTSDecoder.from_config("tiny", seed=0)
+    graph = TracedForward(decoder.decoder)
+    expected = decoder.decoder(codes(2, 6, 5))
+    graph(codes(1, 4, 6))  # traced here
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the eager forward ran")
+
+    calls = []
+    hook = decoder.decoder.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        assert torch.equal(graph(codes(2, 6, 5)), expected)
+    finally:
+        hook.remove()
+    assert calls == []  # a traced graph does not call the module (nor its hooks)
+    graph.module.forward = refuse  # and not its forward either
+    assert torch.equal(graph(codes(2, 6, 5)), expected)
+
+
+def test_lanes_calling_at_once_trace_once_and_all_get_the_eager_result(monkeypatch):
+    decoder = Qwen3TTSDecoder.from_config("tiny", seed=0)
+    graph = TracedForward(decoder.decoder)
+    traces = []
+    real_trace = torch.jit.trace
+    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
+    inputs = [codes(1 + i % 2, 3 + i, 10 + i) for i in range(6)]
+    expected = [decoder.decoder(x) for x in inputs]
+    results: dict[int, torch.Tensor] = {}
+    start = threading.Barrier(len(inputs))
+
+    def lane(i: int) -> None:
+        torch.set_num_threads(1)
+        start.wait()
+        results[i] = graph(inputs[i])
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert traces == [1]
+    assert all(torch.equal(results[i], expected[i]) for i in range(len(inputs)))
+
+
+class Untraceable(nn.Module):
+    """Returns a list of Python numbers: ``torch.jit.trace`` refuses it."""
+
+    def forward(self, x: torch.Tensor) -> list[float]:
+        return [float(v) for v in x.flatten()]
+
+
+def test_a_module_that_cannot_be_traced_runs_eagerly_with_one_warning(caplog):
+    graph = TracedForward(Untraceable())
+    with caplog.at_level(logging.WARNING, logger="bicodec_shm.model.traced"):
+        assert graph(torch.tensor([1.0, 2.0])) == [1.0, 2.0]
+        assert graph(torch.tensor([3.0])) == [3.0]
+    assert graph.failed and graph.graph is None
+    warned = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
+    assert len(warned) == 1 and "Untraceable" in warned[0].getMessage()
+
+
+def test_a_decoder_on_another_device_keeps_its_eager_windows():
+    """CUDA has its own graphs; the adapter traces for CPU lanes only."""
+    decoder = Qwen3TTSDecoder.from_config("tiny", seed=0)
+    decoder.decoder.to("meta")  # any device that is not the CPU
+    assert decoder.codec_adapter().window_decoder is None

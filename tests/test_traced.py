@@ -1,6 +1,7 @@
-"""The CPU lanes' traced graphs (model/traced.py): bit for bit the eager forward, across batch
-sizes, lengths, stream starts and dtypes; built once when lanes call at once; run without the
-module's Python; and an eager fallback, with one warning, where tracing fails."""
+"""The CPU lanes' traced graphs (model/traced.py), Qwen3-TTS's and SNAC's: bit for bit the eager
+forward, across batch sizes, lengths, stream starts, noise and dtypes; built once when lanes call
+at once; run without the module's Python; and an eager fallback, with one warning, where tracing
+fails."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from bicodec_shm.model import traced
 from bicodec_shm.model.qwen3_tts import Qwen3TTSDecoder
+from bicodec_shm.model.snac import SNACDecoder
 from bicodec_shm.model.traced import TracedForward
 
 
@@ -40,6 +43,56 @@ def test_qwen3_windows_through_the_graph_equal_the_eager_decode_bit_for_bit(dtyp
         traced = decoder.detokenize(ids, lens, start_frames=starts, window_decoder=graph)
         assert traced.dtype == eager.dtype and torch.equal(traced, eager), (ids.shape, lengths, starts)
     assert graph.graph is not None and not graph.failed
+
+
+def snac_levels(decoder: SNACDecoder, batch: int, frames: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    size = decoder.config.codebook_size
+    return [torch.randint(0, size, (batch, frames * r), generator=g) for r in decoder.config.level_rates]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_snac_batches_without_padding_through_graphs_equal_the_eager_decode(dtype):
+    """A graph per shape, with noise and without, stream starts; a padded batch (a mask)
+    decodes eagerly and adds no graph."""
+    decoder = SNACDecoder.from_config("tiny-24khz", seed=0, dtype=dtype)
+    graphs = decoder.codec_adapter().unpadded_forward
+    assert isinstance(graphs, TracedForward) and graphs.per_shape and not graphs.graphs
+    cases = [  # (batch, frames, lengths, noise, start_frames)
+        (1, 4, None, True, [0]),
+        (1, 4, None, True, [12]),  # the same shape again: no new graph
+        (3, 4, None, True, [0, 4, 100]),
+        (1, 7, None, False, None),
+        (2, 9, None, True, [3, 0]),
+        (2, 9, [9, 5], True, [0, 0]),  # padded: eager
+    ]
+    for i, (batch, frames, lengths, noise, starts) in enumerate(cases):
+        levels = snac_levels(decoder, batch, frames, seed=i)
+        lens = None if lengths is None else torch.tensor(lengths)
+        kwargs = dict(noise=noise, noise_seeds=[7 + j for j in range(batch)], start_frames=starts)
+        eager = decoder.detokenize(levels, lens, **kwargs)
+        graphed = decoder.detokenize(levels, lens, **kwargs, unpadded_forward=graphs)
+        assert torch.equal(graphed, eager), (batch, frames, lengths, noise, starts)
+    assert len(graphs.graphs) == 4 and not graphs.failed  # (1,4), (3,4), (1,7) quiet, (2,9)
+
+
+def test_a_per_shape_forward_keeps_at_most_its_graphs_and_decodes_eagerly_beyond(monkeypatch):
+    monkeypatch.setattr(traced, "MAX_GRAPHS", 2)
+    decoder = SNACDecoder.from_config("tiny-24khz", seed=0)
+    graphs = TracedForward(UnpaddedLevels(decoder), per_shape=True)
+    for frames in (2, 3, 4, 5):
+        levels = snac_levels(decoder, 1, frames, seed=frames)
+        assert torch.equal(graphs(*levels), decoder(levels))
+    assert len(graphs.graphs) == 2
+
+
+class UnpaddedLevels(nn.Module):
+    def __init__(self, decoder: SNACDecoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, *levels: torch.Tensor) -> torch.Tensor:
+        return self.decoder(list(levels))
 
 
 def test_the_graph_runs_without_the_modules_python():
@@ -105,8 +158,10 @@ def test_a_module_that_cannot_be_traced_runs_eagerly_with_one_warning(caplog):
     assert len(warned) == 1 and "Untraceable" in warned[0].getMessage()
 
 
-def test_a_decoder_on_another_device_keeps_its_eager_windows():
-    """CUDA has its own graphs; the adapter traces for CPU lanes only."""
-    decoder = Qwen3TTSDecoder.from_config("tiny", seed=0)
-    decoder.decoder.to("meta")  # any device that is not the CPU
-    assert decoder.codec_adapter().window_decoder is None
+def test_a_decoder_on_another_device_decodes_eagerly():
+    """CUDA has its own graphs; the adapters trace for CPU lanes only."""
+    qwen3 = Qwen3TTSDecoder.from_config("tiny", seed=0)
+    qwen3.decoder.to("meta")  # any device that is not the CPU
+    assert qwen3.codec_adapter().window_decoder is None
+    snac = SNACDecoder.from_config("tiny-24khz", seed=0).to("meta")
+    assert snac.codec_adapter().unpadded_forward is None

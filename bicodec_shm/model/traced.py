@@ -32,34 +32,51 @@ log = logging.getLogger("bicodec_shm.model.traced")
 _TRACE_LOCK = threading.Lock()  # warnings.catch_warnings is process-wide state
 
 
+MAX_GRAPHS = 32  # graphs a per-shape forward keeps; a shape beyond them decodes eagerly
+
+
 class TracedForward:
-    """``module(x)`` through a graph traced at the first call (see the module docstring).
+    """``module(*tensors)`` through graphs traced at first use (see the module docstring).
 
     Args:
-        module: a forward of one tensor argument, traceable at any shape (no Python branch
-            on its input's values or sizes); its parameters stay shared with the graph.
+        module: a forward of tensor arguments; its parameters stay shared with the graphs.
+        per_shape: False: one graph for every shape (the forward has no Python arithmetic on
+            its inputs' sizes, checked by the tests); True: a graph for each signature (shapes
+            and dtypes of the arguments, at most ``MAX_GRAPHS``), for a forward whose Python
+            reads sizes (a window count, a padding) that a trace records as constants.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, per_shape: bool = False) -> None:
         self.module = module
-        self.graph: Any = None  # the traced graph once built
+        self.per_shape = per_shape
+        self.graphs: dict[Any, Any] = {}  # signature (None when one fits all) -> traced graph
         self.failed = False  # tracing failed: eager from then on
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.graph is None and not self.failed:
-            self._trace(x)
-        return self.module(x) if self.graph is None else self.graph(x)
+    @property
+    def graph(self) -> Any:
+        """The one graph of a forward that is not per shape (None until the first call)."""
+        return self.graphs.get(None)
 
-    def _trace(self, x: torch.Tensor) -> None:
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors) if self.per_shape else None
+        graph = self.graphs.get(key)
+        if graph is None and not self.failed and len(self.graphs) < MAX_GRAPHS:
+            graph = self._trace(key, tensors)
+        return self.module(*tensors) if graph is None else graph(*tensors)
+
+    def _trace(self, key: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
         with _TRACE_LOCK:
-            if self.graph is not None or self.failed:
-                return
+            if key in self.graphs or self.failed:
+                return self.graphs.get(key)
             try:
                 with warnings.catch_warnings():
                     # TorchScript is in maintenance mode: newer torch warns on every trace.
                     warnings.simplefilter("ignore")
-                    self.graph = torch.jit.trace(self.module, x, check_trace=False)
+                    graph = torch.jit.trace(self.module, tensors, check_trace=False)
             except Exception as exc:  # any failure: decode eagerly, correct and slower
                 self.failed = True
                 log.warning("decoding eagerly: tracing %s failed (%s: %s); CPU lanes running at once "
                             "will contend for the GIL", type(self.module).__name__, type(exc).__name__, exc)
+                return None
+            self.graphs[key] = graph
+            return graph

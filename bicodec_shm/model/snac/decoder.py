@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,7 @@ class SNACDecoder(nn.Module):
         noise_seeds: Sequence[int] | int | None = None,
         start_frames: Sequence[int] | None = None,
         mask: bool = True,
+        unpadded_forward: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Decode a right-padded batch; each row's audio is exactly its unpadded decode.
 
@@ -155,6 +156,9 @@ class SNACDecoder(nn.Module):
                 streaming window draws the full decode's noise; None means 0.
             mask: zero each row's padding before every time-mixing layer. False lets padding
                 leak into short rows (for benchmarks); the tail is zeroed anyway.
+            unpadded_forward: what decodes a batch whose rows all have length T, as
+                ``UnpaddedForward`` does; None: this module. The server's CPU lanes pass its
+                traced graphs (model/traced.py).
 
         Returns:
             float32 audio (B, spf·T) in (-1, 1) on the model's device; row i is 0 from
@@ -186,11 +190,31 @@ class SNACDecoder(nn.Module):
                                      [s * per_frame for s in starts], latent_frames,
                                      self.noise_factors)
             ]  # fmt: skip
-        audio = self([level.to(device) for level in levels], ctx)[:, 0].float()  # (B, 1, N) -> (B, N)
+        levels = [level.to(device) for level in levels]
+        if unpadded_forward is not None and shortest == frames:
+            audio = unpadded_forward(*levels, *(ctx.noise or ()))
+        else:
+            audio = self(levels, ctx)
+        audio = audio[:, 0].float()  # (B, 1, N) -> (B, N)
         if shortest < frames:
             ends = torch.tensor(host_lens, device=device)[:, None] * cfg.samples_per_frame
             audio.masked_fill_(torch.arange(audio.shape[1], device=device) >= ends, 0.0)
         return audio
+
+
+class UnpaddedForward(nn.Module):
+    """``SNACDecoder.forward`` of a batch without padding, over tensors only, so that it can be
+    traced (model/traced.py): ``(*codes, *noise)`` -> float32 audio (B, 1, spf·T), where codes
+    are the levels' (B, T·r_i) and noise is one (B, 1, T·f) per decoder block, or none."""
+
+    def __init__(self, model: SNACDecoder) -> None:
+        super().__init__()
+        self.model = model
+        self.levels = len(model.config.level_rates)
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        noise = list(tensors[self.levels :])
+        return self.model(list(tensors[: self.levels]), BatchContext(noise=noise or None))
 
 
 def _check_inputs(

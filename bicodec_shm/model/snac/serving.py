@@ -13,6 +13,8 @@ import torch
 from ...codecs.layout import MAX_NOISE_SEED, CodecLayout
 from ...protocol.layout import FLAG_NO_NOISE
 from ...protocol.slot_io import Batch
+from ..traced import TracedForward
+from .decoder import UnpaddedForward
 
 
 class SNACAdapter:
@@ -21,6 +23,12 @@ class SNACAdapter:
     def __init__(self, decoder) -> None:  # noqa: ANN001 - a SNACDecoder (no import cycle)
         self.decoder = decoder
         self.layout: CodecLayout = decoder.config.layout
+        # On a CPU every lane (each has its own adapter) decodes a batch without padding (every
+        # stream window, every lone request) through graphs that run without the GIL, so lanes
+        # decode at once as processes would (traced.py). One graph per shape: the attention's
+        # window count and padding are Python arithmetic on the length.
+        cpu = decoder.device.type == "cpu"
+        self.unpadded_forward = TracedForward(UnpaddedForward(decoder), per_shape=True) if cpu else None
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
         """(B, spf·T) float32 audio; row i equals its lone decode with its seed."""
@@ -48,4 +56,5 @@ class SNACAdapter:
     def _decode(self, codes: list[np.ndarray], lengths: np.ndarray, noise: bool, seeds: list[int],
                 starts: list[int]) -> torch.Tensor:  # fmt: skip
         return self.decoder.detokenize([torch.from_numpy(c) for c in codes], torch.from_numpy(lengths),
-                                       noise=bool(noise), noise_seeds=seeds, start_frames=starts)  # fmt: skip
+                                       noise=bool(noise), noise_seeds=seeds, start_frames=starts,
+                                       unpadded_forward=self.unpadded_forward)  # fmt: skip

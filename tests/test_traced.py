@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from bicodec_shm.model import traced
 from bicodec_shm.model.qwen3_tts import Qwen3TTSDecoder
 from bicodec_shm.model.snac import SNACDecoder
+from bicodec_shm.model.snac.decoder import UnpaddedForward
 from bicodec_shm.model.traced import TracedForward
 
 
@@ -29,7 +29,7 @@ def test_qwen3_windows_through_the_graph_equal_the_eager_decode_bit_for_bit(dtyp
     decoder = Qwen3TTSDecoder.from_config("tiny", seed=0, dtype=dtype)
     adapter = decoder.codec_adapter()
     graph = adapter.window_decoder
-    assert isinstance(graph, TracedForward) and graph.graph is None  # traced at the first batch
+    assert isinstance(graph, TracedForward) and not graph.graphs  # traced at the first batch
     cases = [  # (codes, lengths, start_frames)
         (codes(1, 2, 0), None, None),
         (codes(3, 27, 1), [27, 9, 1], None),
@@ -42,7 +42,7 @@ def test_qwen3_windows_through_the_graph_equal_the_eager_decode_bit_for_bit(dtyp
         eager = decoder.detokenize(ids, lens, start_frames=starts)
         traced = decoder.detokenize(ids, lens, start_frames=starts, window_decoder=graph)
         assert traced.dtype == eager.dtype and torch.equal(traced, eager), (ids.shape, lengths, starts)
-    assert graph.graph is not None and not graph.failed
+    assert list(graph.graphs) == [None] and not graph.failed  # one graph for every shape
 
 
 def snac_levels(decoder: SNACDecoder, batch: int, frames: int, seed: int) -> list[torch.Tensor]:
@@ -51,19 +51,24 @@ def snac_levels(decoder: SNACDecoder, batch: int, frames: int, seed: int) -> lis
     return [torch.randint(0, size, (batch, frames * r), generator=g) for r in decoder.config.level_rates]
 
 
+@pytest.mark.parametrize("preset", ["tiny-24khz", "tiny-32khz"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_snac_batches_without_padding_through_graphs_equal_the_eager_decode(dtype):
-    """A graph per shape, with noise and without, stream starts; a padded batch (a mask)
+def test_snac_batches_without_padding_through_graphs_equal_the_eager_decode(preset, dtype):
+    """A graph per branch (noise or none; at 32 kHz, a length that fills the attention's
+    windows or not), each serving several shapes; stream starts; a padded batch (a mask)
     decodes eagerly and adds no graph."""
-    decoder = SNACDecoder.from_config("tiny-24khz", seed=0, dtype=dtype)
+    decoder = SNACDecoder.from_config(preset, seed=0, dtype=dtype)
     graphs = decoder.codec_adapter().unpadded_forward
-    assert isinstance(graphs, TracedForward) and graphs.per_shape and not graphs.graphs
+    assert isinstance(graphs, TracedForward) and not graphs.graphs
     cases = [  # (batch, frames, lengths, noise, start_frames)
         (1, 4, None, True, [0]),
-        (1, 4, None, True, [12]),  # the same shape again: no new graph
-        (3, 4, None, True, [0, 4, 100]),
+        (1, 4, None, True, [12]),
+        (3, 8, None, True, [0, 4, 100]),
         (1, 7, None, False, None),
+        (2, 3, None, False, None),
+        (1, 8, None, False, None),
         (2, 9, None, True, [3, 0]),
+        (2, 5, None, True, [1, 2]),
         (2, 9, [9, 5], True, [0, 0]),  # padded: eager
     ]
     for i, (batch, frames, lengths, noise, starts) in enumerate(cases):
@@ -73,26 +78,31 @@ def test_snac_batches_without_padding_through_graphs_equal_the_eager_decode(dtyp
         eager = decoder.detokenize(levels, lens, **kwargs)
         graphed = decoder.detokenize(levels, lens, **kwargs, unpadded_forward=graphs)
         assert torch.equal(graphed, eager), (batch, frames, lengths, noise, starts)
-    assert len(graphs.graphs) == 4 and not graphs.failed  # (1,4), (3,4), (1,7) quiet, (2,9)
+    windowed = decoder.config.attn_window_size is not None
+    assert len(graphs.graphs) == (4 if windowed else 2) and not graphs.failed
 
 
-def test_a_per_shape_forward_keeps_at_most_its_graphs_and_decodes_eagerly_beyond(monkeypatch):
-    monkeypatch.setattr(traced, "MAX_GRAPHS", 2)
+def test_a_branch_on_a_size_needs_its_own_graph():
+    """Why SNAC's graphs are keyed: one traced where the length fills the attention's windows
+    (no mask) gives other audio for a length that does not; keyed by branch, both are exact."""
+    decoder = SNACDecoder.from_config("tiny-32khz", seed=0)
+    forward = UnpaddedForward(decoder)
+    one_graph, keyed = TracedForward(forward), forward.traced()
+    filled = snac_levels(decoder, 1, 4, seed=0)  # 32 latent frames: one whole window
+    one_graph(*filled)
+    keyed(*filled)
+    short = snac_levels(decoder, 2, 3, seed=1)  # 24 latent frames: a shorter last window
+    assert not torch.equal(one_graph(*short), forward(*short))
+    assert torch.equal(keyed(*short), forward(*short)) and len(keyed.graphs) == 2
+
+
+def test_the_lanes_of_a_decoder_share_its_graphs():
     decoder = SNACDecoder.from_config("tiny-24khz", seed=0)
-    graphs = TracedForward(UnpaddedLevels(decoder), per_shape=True)
-    for frames in (2, 3, 4, 5):
-        levels = snac_levels(decoder, 1, frames, seed=frames)
-        assert torch.equal(graphs(*levels), decoder(levels))
-    assert len(graphs.graphs) == 2
-
-
-class UnpaddedLevels(nn.Module):
-    def __init__(self, decoder: SNACDecoder) -> None:
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, *levels: torch.Tensor) -> torch.Tensor:
-        return self.decoder(list(levels))
+    assert decoder.codec_adapter().unpadded_forward is decoder.codec_adapter().unpadded_forward
+    qwen3 = Qwen3TTSDecoder.from_config("tiny", seed=0)
+    assert qwen3.codec_adapter().window_decoder is qwen3.codec_adapter().window_decoder
+    other = SNACDecoder.from_config("tiny-24khz", seed=0)
+    assert other.codec_adapter().unpadded_forward is not decoder.codec_adapter().unpadded_forward
 
 
 def test_the_graph_runs_without_the_modules_python():
@@ -153,7 +163,7 @@ def test_a_module_that_cannot_be_traced_runs_eagerly_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="bicodec_shm.model.traced"):
         assert graph(torch.tensor([1.0, 2.0])) == [1.0, 2.0]
         assert graph(torch.tensor([3.0])) == [3.0]
-    assert graph.failed and graph.graph is None
+    assert graph.failed and not graph.graphs
     warned = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
     assert len(warned) == 1 and "Untraceable" in warned[0].getMessage()
 

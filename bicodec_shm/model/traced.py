@@ -3,18 +3,24 @@
 Why: a CPU server's lanes are threads of one process. An eager forward of a small decoder is
 hundreds of short torch calls, and each gives the GIL up and takes it back, so two lanes
 decoding at once spend their time handing the GIL to each other: tiny Qwen3-TTS, a window of
-8 frames on a 2-core CPU, took 7.2 ms alone and 16.3 ms each with two lanes at once, where two
+8 frames on a 2-core CPU, took 9.8 ms alone and 18.5 ms each with two lanes at once, where two
 worker processes with decoders of their own do not contend at all. A traced graph runs all its
-ops in C++ without the GIL (the same window: 3.1 ms alone, 3.3 ms each with two lanes at once),
+ops in C++ without the GIL (the same window: 3.9 ms alone, 4.0 ms each with two lanes at once),
 and skips Python's cost per call. ``python benchmarks/bench_lane_graphs.py`` measures it.
 
-Exact: the graph calls the same aten kernels in the same order (TorchScript fuses nothing on a
-CPU unless asked), so its output equals the eager forward's bit for bit; tests check each codec
-that uses it across batch sizes, lengths and dtypes. A trace records one path through Python,
-so only a forward without branches on values or shapes may be traced (the caller knows which).
+Exact: the graph calls the same aten kernels in the same order, so its output equals the eager
+forward's bit for bit; tests check each codec that uses it across batch sizes, lengths and
+dtypes. It runs unoptimized (``torch.jit.optimized_execution(False)``, per thread): the
+profiling executor would re-profile every new shape, tens of ms each time, and could fuse.
+
+A trace records one path through the forward's Python. Sizes read from a tensor are recorded
+as sizes, so one graph serves every shape, but a Python *branch* on a size is not: a forward
+with one names the branch with ``key(*tensors)``, and each key gets a graph of its own (SNAC's
+attention skips its mask when the length fills its windows).
 
 If tracing fails (a torch without TorchScript, say), the module runs eagerly and a warning says
-so once: slower under concurrency, never wrong.
+so once: slower under concurrency, never wrong. Tracing costs ~0.3 s on a tiny decoder, once
+per key and decoder: the graphs are shared by every lane of the decoder (``shared_graphs``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -29,10 +36,7 @@ from torch import nn
 
 log = logging.getLogger("bicodec_shm.model.traced")
 
-_TRACE_LOCK = threading.Lock()  # warnings.catch_warnings is process-wide state
-
-
-MAX_GRAPHS = 32  # graphs a per-shape forward keeps; a shape beyond them decodes eagerly
+_LOCK = threading.Lock()  # one trace at a time: warnings.catch_warnings is process-wide state
 
 
 class TracedForward:
@@ -40,36 +44,32 @@ class TracedForward:
 
     Args:
         module: a forward of tensor arguments; its parameters stay shared with the graphs.
-        per_shape: False: one graph for every shape (the forward has no Python arithmetic on
-            its inputs' sizes, checked by the tests); True: a graph for each signature (shapes
-            and dtypes of the arguments, at most ``MAX_GRAPHS``), for a forward whose Python
-            reads sizes (a window count, a padding) that a trace records as constants.
+        key: the branch of the forward's Python that these arguments take, as a hashable
+            (a graph each); None: the forward has none (one graph for every shape).
     """
 
-    def __init__(self, module: nn.Module, *, per_shape: bool = False) -> None:
+    def __init__(self, module: nn.Module, *, key: Callable[..., Hashable] | None = None) -> None:
         self.module = module
-        self.per_shape = per_shape
-        self.graphs: dict[Any, Any] = {}  # signature (None when one fits all) -> traced graph
+        self.key = key
+        self.graphs: dict[Hashable, Any] = {}  # branch -> traced graph
         self.failed = False  # tracing failed: eager from then on
 
-    @property
-    def graph(self) -> Any:
-        """The one graph of a forward that is not per shape (None until the first call)."""
-        return self.graphs.get(None)
-
     def __call__(self, *tensors: torch.Tensor) -> Any:
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors) if self.per_shape else None
-        graph = self.graphs.get(key)
-        if graph is None and not self.failed and len(self.graphs) < MAX_GRAPHS:
-            graph = self._trace(key, tensors)
-        return self.module(*tensors) if graph is None else graph(*tensors)
+        branch = None if self.key is None else self.key(*tensors)
+        graph = self.graphs.get(branch)
+        if graph is None and not self.failed:
+            graph = self._trace(branch, tensors)
+        if graph is None:
+            return self.module(*tensors)
+        with torch.jit.optimized_execution(False):
+            return graph(*tensors)
 
-    def _trace(self, key: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
-        with _TRACE_LOCK:
-            if key in self.graphs or self.failed:
-                return self.graphs.get(key)
+    def _trace(self, branch: Hashable, tensors: tuple[torch.Tensor, ...]) -> Any:
+        with _LOCK:
+            if branch in self.graphs or self.failed:
+                return self.graphs.get(branch)
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), torch.jit.optimized_execution(False):
                     # TorchScript is in maintenance mode: newer torch warns on every trace.
                     warnings.simplefilter("ignore")
                     graph = torch.jit.trace(self.module, tensors, check_trace=False)
@@ -78,5 +78,15 @@ class TracedForward:
                 log.warning("decoding eagerly: tracing %s failed (%s: %s); CPU lanes running at once "
                             "will contend for the GIL", type(self.module).__name__, type(exc).__name__, exc)
                 return None
-            self.graphs[key] = graph
+            self.graphs[branch] = graph
             return graph
+
+
+def shared_graphs(owner: nn.Module, make: Callable[[], TracedForward]) -> TracedForward:
+    """``owner``'s one ``TracedForward`` (made by ``make`` at the first call): every lane's
+    adapter of a decoder replays the same graphs, so each is traced once per server."""
+    with _LOCK:
+        graphs = owner.__dict__.get("_bicodec_shm_graphs")
+        if graphs is None:
+            graphs = owner.__dict__["_bicodec_shm_graphs"] = make()
+        return graphs

@@ -12,7 +12,7 @@ import torch
 
 from ...codecs.layout import CodecLayout
 from ...protocol.slot_io import Batch
-from ..traced import TracedForward
+from ..traced import TracedForward, shared_graphs
 
 
 class Qwen3TTSAdapter:
@@ -21,10 +21,10 @@ class Qwen3TTSAdapter:
     def __init__(self, decoder) -> None:  # noqa: ANN001 - a Qwen3TTSDecoder (no import cycle)
         self.decoder = decoder
         self.layout: CodecLayout = decoder.config.layout
-        # On a CPU every lane (each has its own adapter) replays the window decoder as a graph
-        # that runs without the GIL, so lanes decode at once as processes would (traced.py).
+        # On a CPU the lanes replay the window decoder as one graph that runs without the GIL,
+        # so lanes decode at once as processes would (traced.py); one per decoder, all lanes'.
         cpu = decoder.device.type == "cpu"
-        self.window_decoder = TracedForward(decoder.decoder) if cpu else None
+        self.window_decoder = shared_graphs(decoder, lambda: TracedForward(decoder.decoder)) if cpu else None
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
         """(B, 1920·T) float32 audio; row i equals its lone decode."""

@@ -21,6 +21,7 @@ from ..inputs import IdsLike, as_ids, check_lengths, check_range
 from ..modules import ResidualUnit, TimeMask
 from ..precision import apply_dtype
 from ..random_weights import WeightDraw, init_common_layers, seeded
+from ..traced import TracedForward
 from ..weights import meta_model
 from . import checkpoint
 from .config import SNACConfig
@@ -215,6 +216,17 @@ class UnpaddedForward(nn.Module):
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         noise = list(tensors[self.levels :])
         return self.model(list(tensors[: self.levels]), BatchContext(noise=noise or None))
+
+    def branch(self, *tensors: torch.Tensor) -> tuple[int, bool]:
+        """The branches these arguments take: with noise or without, and whether the latent
+        length fills the attention's windows (then it needs no mask)."""
+        window = self.model.config.attn_window_size
+        latent = tensors[0].shape[1] * self.model.config.latents_per_frame
+        return len(tensors), window is None or latent % window == 0
+
+    def traced(self) -> TracedForward:
+        """This forward through a graph for each ``branch`` (model/traced.py)."""
+        return TracedForward(self, key=self.branch)
 
 
 def _check_inputs(

@@ -13,7 +13,7 @@ import torch
 from ...codecs.layout import MAX_NOISE_SEED, CodecLayout
 from ...protocol.layout import FLAG_NO_NOISE
 from ...protocol.slot_io import Batch
-from ..traced import TracedForward
+from ..traced import shared_graphs
 from .decoder import UnpaddedForward
 
 
@@ -23,12 +23,12 @@ class SNACAdapter:
     def __init__(self, decoder) -> None:  # noqa: ANN001 - a SNACDecoder (no import cycle)
         self.decoder = decoder
         self.layout: CodecLayout = decoder.config.layout
-        # On a CPU every lane (each has its own adapter) decodes a batch without padding (every
-        # stream window, every lone request) through graphs that run without the GIL, so lanes
-        # decode at once as processes would (traced.py). One graph per shape: the attention's
-        # window count and padding are Python arithmetic on the length.
+        # On a CPU the lanes decode a batch without padding (every stream window, every lone
+        # request) through graphs that run without the GIL, so lanes decode at once as
+        # processes would (traced.py); one set per decoder, all lanes'.
         cpu = decoder.device.type == "cpu"
-        self.unpadded_forward = TracedForward(UnpaddedForward(decoder), per_shape=True) if cpu else None
+        make = lambda: UnpaddedForward(decoder).traced()  # noqa: E731
+        self.unpadded_forward = shared_graphs(decoder, make) if cpu else None
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
         """(B, spf·T) float32 audio; row i equals its lone decode with its seed."""

@@ -425,7 +425,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_traced.py", "-k", "without_the_modules_python"),
     m("snac-graph-ignores-its-branch", "one SNAC graph for every length, whether it fills the "
       "attention's windows or not",
-      "bicodec_shm/model/snac/decoder.py",
+      "bicodec_shm/model/snac/serving.py",
       "        return TracedForward(self, key=self.branch)", "        return TracedForward(self)",
       "tests/test_traced.py", "-k", "snac or branch"),
     m("padded-snac-batch-through-the-graph", "a padded SNAC batch takes the graph without its mask",

@@ -14,7 +14,7 @@ from torch import nn
 
 from bicodec_shm.model.qwen3_tts import Qwen3TTSDecoder
 from bicodec_shm.model.snac import SNACDecoder
-from bicodec_shm.model.snac.decoder import UnpaddedForward
+from bicodec_shm.model.snac.serving import UnpaddedForward
 from bicodec_shm.model.traced import TracedForward
 
 

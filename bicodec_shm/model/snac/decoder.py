@@ -21,7 +21,6 @@ from ..inputs import IdsLike, as_ids, check_lengths, check_range
 from ..modules import ResidualUnit, TimeMask
 from ..precision import apply_dtype
 from ..random_weights import WeightDraw, init_common_layers, seeded
-from ..traced import TracedForward
 from ..weights import meta_model
 from . import checkpoint
 from .config import SNACConfig
@@ -158,7 +157,7 @@ class SNACDecoder(nn.Module):
             mask: zero each row's padding before every time-mixing layer. False lets padding
                 leak into short rows (for benchmarks); the tail is zeroed anyway.
             unpadded_forward: what decodes a batch whose rows all have length T, as
-                ``UnpaddedForward`` does; None: this module. The server's CPU lanes pass its
+                ``serving.UnpaddedForward`` does; None: this module. The server's CPU lanes pass its
                 traced graphs (model/traced.py).
 
         Returns:
@@ -201,32 +200,6 @@ class SNACDecoder(nn.Module):
             ends = torch.tensor(host_lens, device=device)[:, None] * cfg.samples_per_frame
             audio.masked_fill_(torch.arange(audio.shape[1], device=device) >= ends, 0.0)
         return audio
-
-
-class UnpaddedForward(nn.Module):
-    """``SNACDecoder.forward`` of a batch without padding, over tensors only, so that it can be
-    traced (model/traced.py): ``(*codes, *noise)`` -> float32 audio (B, 1, spf·T), where codes
-    are the levels' (B, T·r_i) and noise is one (B, 1, T·f) per decoder block, or none."""
-
-    def __init__(self, model: SNACDecoder) -> None:
-        super().__init__()
-        self.model = model
-        self.levels = len(model.config.level_rates)
-
-    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        noise = list(tensors[self.levels :])
-        return self.model(list(tensors[: self.levels]), BatchContext(noise=noise or None))
-
-    def branch(self, *tensors: torch.Tensor) -> tuple[int, bool]:
-        """The branches these arguments take: with noise or without, and whether the latent
-        length fills the attention's windows (then it needs no mask)."""
-        window = self.model.config.attn_window_size
-        latent = tensors[0].shape[1] * self.model.config.latents_per_frame
-        return len(tensors), window is None or latent % window == 0
-
-    def traced(self) -> TracedForward:
-        """This forward through a graph for each ``branch`` (model/traced.py)."""
-        return TracedForward(self, key=self.branch)
 
 
 def _check_inputs(

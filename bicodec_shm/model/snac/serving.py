@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from ...codecs.layout import MAX_NOISE_SEED, CodecLayout
 from ...protocol.layout import FLAG_NO_NOISE
 from ...protocol.slot_io import Batch
-from ..traced import shared_graphs
-from .decoder import UnpaddedForward
+from ..traced import TracedForward, shared_graphs
+from .layers import BatchContext
 
 
 class SNACAdapter:
@@ -58,3 +59,29 @@ class SNACAdapter:
         return self.decoder.detokenize([torch.from_numpy(c) for c in codes], torch.from_numpy(lengths),
                                        noise=bool(noise), noise_seeds=seeds, start_frames=starts,
                                        unpadded_forward=self.unpadded_forward)  # fmt: skip
+
+
+class UnpaddedForward(nn.Module):
+    """``SNACDecoder.forward`` of a batch without padding, over tensors only, so that it can be
+    traced (model/traced.py): ``(*codes, *noise)`` -> float32 audio (B, 1, spf·T), where codes
+    are the levels' (B, T·r_i) and noise is one (B, 1, T·f) per decoder block, or none."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001 - a SNACDecoder (no import cycle)
+        super().__init__()
+        self.model = model
+        self.levels = len(model.config.level_rates)
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        noise = list(tensors[self.levels :])
+        return self.model(list(tensors[: self.levels]), BatchContext(noise=noise or None))
+
+    def branch(self, *tensors: torch.Tensor) -> tuple[int, bool]:
+        """The branches these arguments take: with noise or without, and whether the latent
+        length fills the attention's windows (then it needs no mask)."""
+        window = self.model.config.attn_window_size
+        latent = tensors[0].shape[1] * self.model.config.latents_per_frame
+        return len(tensors), window is None or latent % window == 0
+
+    def traced(self) -> TracedForward:
+        """This forward through a graph for each ``branch`` (model/traced.py)."""
+        return TracedForward(self, key=self.branch)

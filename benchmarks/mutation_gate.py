@@ -416,13 +416,19 @@ MUTANTS: tuple[Mutant, ...] = (
     m("qwen3-lanes-decode-eagerly", "Qwen3-TTS's CPU lanes decode every window eagerly (the GIL taken "
       "turn about)",
       "bicodec_shm/model/qwen3_tts/serving.py",
-      "        cpu = decoder.device.type == \"cpu\"\n", "        cpu = False\n",
+      "        self.window_decoder = cpu_lane_graphs(", "        self.window_decoder = None and (",
       "tests/test_traced.py", "-k", "qwen3"),
     m("graph-built-but-not-run", "the graph is traced and the eager forward still runs",
       "bicodec_shm/model/traced.py",
       "        if graph is None:\n            return self.module(*tensors)",
       "        if graph is not None:\n            return self.module(*tensors)",
       "tests/test_traced.py", "-k", "without_the_modules_python"),
+    m("graph-failure-fails-the-request", "a graph that fails at run time fails the batch instead of "
+      "decoding it eagerly",
+      "bicodec_shm/model/traced.py",
+      "            self._give_up(f\"its graph failed",
+      "            raise\n            self._give_up(f\"its graph failed",
+      "tests/test_traced.py", "-k", "run_time"),
     m("snac-graph-ignores-its-branch", "one SNAC graph for every length, whether it fills the "
       "attention's windows or not",
       "bicodec_shm/model/snac/serving.py",

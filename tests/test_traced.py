@@ -168,6 +168,25 @@ def test_a_module_that_cannot_be_traced_runs_eagerly_with_one_warning(caplog):
     assert len(warned) == 1 and "Untraceable" in warned[0].getMessage()
 
 
+def test_a_graph_that_fails_at_run_time_gives_way_to_the_eager_forward(caplog):
+    """A graph must never fail a request that the eager forward would answer."""
+    decoder = Qwen3TTSDecoder.from_config("tiny", seed=0)
+    graph = TracedForward(decoder.decoder)
+    graph(codes(1, 4, 0))
+
+    class Broken:
+        def __call__(self, *args: object) -> None:
+            raise RuntimeError("planted")
+
+    graph.graphs[None] = Broken()
+    x = codes(2, 6, 1)
+    with caplog.at_level(logging.WARNING, logger="bicodec_shm.model.traced"):
+        assert torch.equal(graph(x), decoder.decoder(x))
+        assert torch.equal(graph(x), decoder.decoder(x))
+    warned = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
+    assert graph.failed and len(warned) == 1 and "planted" in warned[0].getMessage()
+
+
 def test_a_decoder_on_another_device_decodes_eagerly():
     """CUDA has its own graphs; the adapters trace for CPU lanes only."""
     qwen3 = Qwen3TTSDecoder.from_config("tiny", seed=0)

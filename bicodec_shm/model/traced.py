@@ -3,9 +3,9 @@
 Why: a CPU server's lanes are threads of one process. An eager forward of a small decoder is
 hundreds of short torch calls, and each gives the GIL up and takes it back, so two lanes
 decoding at once spend their time handing the GIL to each other: tiny Qwen3-TTS, a window of
-8 frames on a 2-core CPU, took 9.8 ms alone and 18.5 ms each with two lanes at once, where two
+8 frames on a 2-core CPU, took 7.1 ms alone and 15.9 ms each with two lanes at once, where two
 worker processes with decoders of their own do not contend at all. A traced graph runs all its
-ops in C++ without the GIL (the same window: 3.9 ms alone, 4.0 ms each with two lanes at once),
+ops in C++ without the GIL (the same window: 4.0 ms alone, 4.1 ms each with two lanes at once),
 and skips Python's cost per call. ``python benchmarks/bench_lane_graphs.py`` measures it.
 
 Exact: the graph calls the same aten kernels in the same order, so its output equals the eager
@@ -18,9 +18,10 @@ as sizes, so one graph serves every shape, but a Python *branch* on a size is no
 with one names the branch with ``key(*tensors)``, and each key gets a graph of its own (SNAC's
 attention skips its mask when the length fills its windows).
 
-If tracing fails (a torch without TorchScript, say), the module runs eagerly and a warning says
-so once: slower under concurrency, never wrong. Tracing costs ~0.3 s on a tiny decoder, once
-per key and decoder: the graphs are shared by every lane of the decoder (``shared_graphs``).
+If tracing fails (a torch without TorchScript, say), or a graph fails where the eager forward
+might not, the module runs eagerly and a warning says so once: slower under concurrency, never
+wrong. Tracing costs ~0.3 s on a tiny decoder, once per key and decoder: the graphs are shared
+by every lane of the decoder, and only a CPU decoder's lanes use them (``cpu_lane_graphs``).
 """
 
 from __future__ import annotations
@@ -57,12 +58,18 @@ class TracedForward:
     def __call__(self, *tensors: torch.Tensor) -> Any:
         branch = None if self.key is None else self.key(*tensors)
         graph = self.graphs.get(branch)
-        if graph is None and not self.failed:
+        if self.failed:
+            return self.module(*tensors)
+        if graph is None:
             graph = self._trace(branch, tensors)
         if graph is None:
             return self.module(*tensors)
-        with torch.jit.optimized_execution(False):
-            return graph(*tensors)
+        try:
+            with torch.jit.optimized_execution(False):
+                return graph(*tensors)
+        except Exception as exc:  # the eager forward decides: it fails too, or it is right
+            self._give_up(f"its graph failed ({type(exc).__name__}: {exc})")
+            return self.module(*tensors)
 
     def _trace(self, branch: Hashable, tensors: tuple[torch.Tensor, ...]) -> Any:
         with _LOCK:
@@ -74,17 +81,25 @@ class TracedForward:
                     warnings.simplefilter("ignore")
                     graph = torch.jit.trace(self.module, tensors, check_trace=False)
             except Exception as exc:  # any failure: decode eagerly, correct and slower
-                self.failed = True
-                log.warning("decoding eagerly: tracing %s failed (%s: %s); CPU lanes running at once "
-                            "will contend for the GIL", type(self.module).__name__, type(exc).__name__, exc)
+                self._give_up(f"tracing failed ({type(exc).__name__}: {exc})")
                 return None
             self.graphs[branch] = graph
             return graph
 
+    def _give_up(self, why: str) -> None:
+        """Eager from now on, said once."""
+        if not self.failed:
+            self.failed = True
+            log.warning("decoding eagerly: %s: %s; CPU lanes running at once will contend for the GIL",
+                        type(self.module).__name__, why)  # fmt: skip
 
-def shared_graphs(owner: nn.Module, make: Callable[[], TracedForward]) -> TracedForward:
-    """``owner``'s one ``TracedForward`` (made by ``make`` at the first call): every lane's
-    adapter of a decoder replays the same graphs, so each is traced once per server."""
+
+def cpu_lane_graphs(owner: nn.Module, make: Callable[[], TracedForward]) -> TracedForward | None:
+    """``owner``'s one ``TracedForward`` (made by ``make`` at the first call) if its weights are
+    on the CPU, else None (CUDA has graphs of its own): every lane's adapter of a decoder replays
+    the same graphs, so each is traced once per server."""
+    if owner.device.type != "cpu":
+        return None
     with _LOCK:
         graphs = owner.__dict__.get("_bicodec_shm_graphs")
         if graphs is None:

@@ -12,7 +12,7 @@ import torch
 
 from ...codecs.layout import CodecLayout
 from ...protocol.slot_io import Batch
-from ..traced import TracedForward, shared_graphs
+from ..traced import TracedForward, cpu_lane_graphs
 
 
 class Qwen3TTSAdapter:
@@ -23,8 +23,7 @@ class Qwen3TTSAdapter:
         self.layout: CodecLayout = decoder.config.layout
         # On a CPU the lanes replay the window decoder as one graph that runs without the GIL,
         # so lanes decode at once as processes would (traced.py); one per decoder, all lanes'.
-        cpu = decoder.device.type == "cpu"
-        self.window_decoder = shared_graphs(decoder, lambda: TracedForward(decoder.decoder)) if cpu else None
+        self.window_decoder = cpu_lane_graphs(decoder, lambda: TracedForward(decoder.decoder))
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
         """(B, 1920·T) float32 audio; row i equals its lone decode."""

@@ -14,7 +14,7 @@ from torch import nn
 from ...codecs.layout import MAX_NOISE_SEED, CodecLayout
 from ...protocol.layout import FLAG_NO_NOISE
 from ...protocol.slot_io import Batch
-from ..traced import TracedForward, shared_graphs
+from ..traced import TracedForward, cpu_lane_graphs
 from .layers import BatchContext
 
 
@@ -27,9 +27,7 @@ class SNACAdapter:
         # On a CPU the lanes decode a batch without padding (every stream window, every lone
         # request) through graphs that run without the GIL, so lanes decode at once as
         # processes would (traced.py); one set per decoder, all lanes'.
-        cpu = decoder.device.type == "cpu"
-        make = lambda: UnpaddedForward(decoder).traced()  # noqa: E731
-        self.unpadded_forward = shared_graphs(decoder, make) if cpu else None
+        self.unpadded_forward = cpu_lane_graphs(decoder, lambda: UnpaddedForward(decoder).traced())
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
         """(B, spf·T) float32 audio; row i equals its lone decode with its seed."""

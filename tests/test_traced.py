@@ -1,5 +1,5 @@
 """The CPU lanes' traced graphs (model/traced.py), Qwen3-TTS's and SNAC's: bit for bit the eager
-forward, across batch sizes, lengths, stream starts, noise and dtypes; built once when lanes call
+forward, across batch sizes, lengths, stream starts, noise and all three dtypes; built once when lanes call
 at once; run without the module's Python; and an eager fallback, with one warning, where tracing
 fails."""
 
@@ -22,7 +22,7 @@ def codes(batch: int, frames: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (batch, 16, frames), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_qwen3_windows_through_the_graph_equal_the_eager_decode_bit_for_bit(dtype):
     """One graph, traced at the first shape, then batches of other sizes and lengths, padded
     rows, stream windows with left context, and rows across the 300-frame chunk."""
@@ -52,7 +52,7 @@ def snac_levels(decoder: SNACDecoder, batch: int, frames: int, seed: int) -> lis
 
 
 @pytest.mark.parametrize("preset", ["tiny-24khz", "tiny-32khz"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_snac_batches_without_padding_through_graphs_equal_the_eager_decode(preset, dtype):
     """A graph per branch (noise or none; at 32 kHz, a length that fills the attention's
     windows or not), each serving several shapes; stream starts; a padded batch (a mask)

@@ -18,7 +18,14 @@ Usage::
     python benchmarks/bench_loops.py --loops qwen3_tts --workers 4 16 --utterances 2
 
 One run of each cell: a ratio within ``NOISE`` of 1 is marked ``~`` (noise on a shared machine,
-not a difference). Progress goes to stderr, one line per example run.
+not a difference). ``--repeats R`` runs the whole set R times, one after another (so a change in
+the machine's load falls on both modes alike), and adds a summary per loop and worker count: the
+median ratio with its range over the R paired runs, and in how many of them the shared server
+met the criterion (``meets``): audio per second at least its own decoders', TTFA p95 at most
+theirs and no more late chunks; at one worker, both ratios within 5 %. Progress goes to stderr,
+one line per example run.
+
+    python benchmarks/bench_loops.py --loops orpheus_tts --workers 16 --repeats 5
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPS = ("orpheus_tts", "spark_tts", "qwen3_tts")
 NOISE = 0.05  # one run per cell: a ratio within 5 % of 1 is not a difference
+ONE_WORKER_TOLERANCE = 0.05  # at one worker the shared server need only come within 5 %
 
 
 def run_loop(loop: str, size: str, workers: list[int], utterances: int, extra: list[str]) -> dict:
@@ -59,6 +68,56 @@ def ratios(rows: list[dict]) -> list[dict]:
             r["vs_own"] = {"audio_s_per_s": r["audio_s_per_s"] / o["audio_s_per_s"],
                            "ttfa_p95": r["ttfa_p95_ms"] / o["ttfa_p95_ms"]}  # fmt: skip
     return rows
+
+
+def meets(shared: dict, own: dict) -> bool:
+    """Whether one paired run meets the criterion: at N >= 2, the shared server's audio per
+    second >= its own decoders', its TTFA p95 <= theirs and its late chunks <= theirs; at N = 1,
+    audio per second and TTFA p95 within ``ONE_WORKER_TOLERANCE`` of theirs."""
+    vs = shared["vs_own"]
+    if shared["streams"] == 1:
+        return vs["audio_s_per_s"] >= 1 - ONE_WORKER_TOLERANCE and vs["ttfa_p95"] <= 1 + ONE_WORKER_TOLERANCE
+    return vs["audio_s_per_s"] >= 1 and vs["ttfa_p95"] <= 1 and shared["late_chunks"] <= own["late_chunks"]
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def repeated(cells: list[dict]) -> list[dict]:
+    """Per loop, size and worker count, over the repeats of ``cells``: the shared server's
+    ratios to its own decoders' (median, min, max), both modes' late chunks (median), and in how
+    many paired runs it ``meets`` the criterion."""
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for c in cells:
+        own = {r["streams"]: r for r in c["rows"] if r["mode"] == "own"}
+        for r in c["rows"]:
+            if r["mode"] == "shared" and r["streams"] in own:
+                groups.setdefault((c["loop"], c["size"], r["streams"]), []).append((r, own[r["streams"]]))
+    out = []
+    for (loop, size, streams), pairs in groups.items():
+        out.append({"loop": loop, "size": size, "streams": streams, "runs": len(pairs),
+                    "audio_vs_own": spread([s["vs_own"]["audio_s_per_s"] for s, _ in pairs]),
+                    "p95_vs_own": spread([s["vs_own"]["ttfa_p95"] for s, _ in pairs]),
+                    "late_own": statistics.median(o["late_chunks"] for _, o in pairs),
+                    "late_shared": statistics.median(s["late_chunks"] for s, _ in pairs),
+                    "meets": sum(meets(s, o) for s, o in pairs)})  # fmt: skip
+    return out
+
+
+def repeated_table(summary: list[dict]) -> str:
+    def shown(x: dict) -> str:
+        return f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})"
+
+    head = (f"{'loop':<12} {'size':<5} {'N':>3} {'runs':>4} {'audio vs own':>20} {'p95 vs own':>20} "
+            f"{'late own':>8} {'late shared':>11} {'meets':>6}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for g in summary:
+        lines.append(f"{g['loop']:<12} {g['size']:<5} {g['streams']:>3} {g['runs']:>4} "
+                     f"{shown(g['audio_vs_own']):>20} {shown(g['p95_vs_own']):>20} "
+                     f"{g['late_own']:>8g} {g['late_shared']:>11g} "
+                     f"{g['meets']:>3}/{g['runs']:<2}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def ratio_text(x: float) -> str:
@@ -94,24 +153,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--example-args", default="", metavar="ARGS",
                    help='more options for every example, e.g. "--rate 2000" (see each --help)')  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run everything this many times and summarise the paired runs")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write every row here")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     cells = []
     t0 = time.perf_counter()
-    for size in args.sizes:
-        for loop in args.loops:
-            print(f"[{time.perf_counter() - t0:6.0f} s] {loop} {size}: workers {args.workers} ...",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            extra = ["--device", args.device, *shlex.split(args.example_args)]
-            got = run_loop(loop, size, args.workers, args.utterances, extra)
-            cells.append({"loop": loop, "size": size, "machine": got["machine"], "rows": ratios(got["rows"])})
+    for repeat in range(args.repeats):
+        for size in args.sizes:
+            for loop in args.loops:
+                print(f"[{time.perf_counter() - t0:6.0f} s] run {repeat + 1}/{args.repeats}: {loop} {size}: "
+                      f"workers {args.workers} ...", file=sys.stderr, flush=True)  # fmt: skip
+                extra = ["--device", args.device, *shlex.split(args.example_args)]
+                got = run_loop(loop, size, args.workers, args.utterances, extra)
+                cells.append({"loop": loop, "size": size, "repeat": repeat, "machine": got["machine"],
+                              "rows": ratios(got["rows"])})  # fmt: skip
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, device {args.device}; "
           f"first and last load: {cells[0]['machine']} | {cells[-1]['machine']}")  # fmt: skip
     print(table(cells))
     print(f"\none run per cell: ratios marked ~ are within {NOISE:.0%} of 1 (noise, not a difference)")
+    summary = repeated(cells)
+    if args.repeats > 1:
+        print(f"\nover {args.repeats} paired runs: median ratio (min-max), median late chunks, and in "
+              "how many runs the shared server met the criterion")  # fmt: skip
+        print(repeated_table(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"noise": NOISE, "cells": cells}, f, indent=1)
+            json.dump({"noise": NOISE, "cells": cells, "repeated": summary}, f, indent=1)
     return 0
 
 

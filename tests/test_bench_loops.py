@@ -19,9 +19,9 @@ bench_loops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_loops)
 
 
-def _row(mode: str, streams: int, audio: float, p95: float) -> dict:
+def _row(mode: str, streams: int, audio: float, p95: float, late: int = 0) -> dict:
     return {"mode": mode, "streams": streams, "threads": 1, "utterances": 2, "ttfa_p50_ms": p95 / 2,
-            "ttfa_p95_ms": p95, "ttfa_max_ms": p95, "audio_s_per_s": audio, "late_chunks": 0,
+            "ttfa_p95_ms": p95, "ttfa_max_ms": p95, "audio_s_per_s": audio, "late_chunks": late,
             "chunks": 4}  # fmt: skip
 
 
@@ -33,6 +33,37 @@ def test_each_shared_row_is_divided_by_the_own_row_of_its_worker_count():
     assert rows[3]["vs_own"] == {"audio_s_per_s": 1.5, "ttfa_p95": 0.5}
     text = bench_loops.table([{"loop": "qwen3_tts", "size": "tiny", "rows": rows}])
     assert "0.50x" in text and "1.50x" in text and "4.00x" in text
+
+
+@pytest.mark.parametrize("streams, own, shared, met", [
+    (16, (10.0, 100, 3), (10.0, 100, 3), True),   # level on all three
+    (16, (10.0, 100, 3), (9.9, 90, 0), False),    # less audio per second
+    (16, (10.0, 100, 3), (11.0, 101, 0), False),  # a longer TTFA p95
+    (16, (10.0, 100, 3), (11.0, 90, 4), False),   # one more late chunk
+    (1, (10.0, 100, 0), (9.6, 104, 0), True),     # one worker: within 5 %
+    (1, (10.0, 100, 0), (9.4, 100, 0), False),
+    (1, (10.0, 100, 0), (10.0, 106, 0), False),
+])  # fmt: skip
+def test_a_paired_run_meets_the_criterion_only_on_every_count(streams, own, shared, met):
+    rows = bench_loops.ratios([_row("own", streams, *own), _row("shared", streams, *shared)])
+    assert bench_loops.meets(rows[1], rows[0]) is met
+
+
+def test_repeats_are_summarised_per_loop_and_worker_count_as_medians_and_ranges():
+    runs = [  # three paired runs at 16 workers; the second misses on late chunks
+        [_row("own", 16, 10.0, 100, 3), _row("shared", 16, 11.0, 90, 2)],
+        [_row("own", 16, 10.0, 100, 3), _row("shared", 16, 12.0, 80, 9)],
+        [_row("own", 16, 10.0, 100, 5), _row("shared", 16, 10.0, 100, 5)],
+    ]
+    cells = [{"loop": "orpheus_tts", "size": "tiny", "repeat": i, "rows": bench_loops.ratios(rows)}
+             for i, rows in enumerate(runs)]  # fmt: skip
+    group, = bench_loops.repeated(cells)
+    assert (group["loop"], group["streams"], group["runs"], group["meets"]) == ("orpheus_tts", 16, 3, 2)
+    assert group["audio_vs_own"] == {"median": 1.1, "min": 1.0, "max": 1.2}
+    assert group["p95_vs_own"] == {"median": 0.9, "min": 0.8, "max": 1.0}
+    assert (group["late_own"], group["late_shared"]) == (3, 5)
+    text = bench_loops.repeated_table([group])
+    assert "1.10x (1.00-1.20)" in text and "0.90x (0.80-1.00)" in text and "2/3" in text
 
 
 @pytest.mark.parametrize("ratio, shown",

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.model.qwen3_tts import Qwen3TTSDecoder
 from bicodec_shm.model.snac import SNACDecoder
 from bicodec_shm.model.snac.serving import UnpaddedForward
-from bicodec_shm.model.traced import TracedForward
+from bicodec_shm.model.traced import TracedForward, take_warmup_ns
+from bicodec_shm.server.batch_costs import BatchCosts
+from bicodec_shm.server.lane_tuner import LaneTuner
 
 
 def codes(batch: int, frames: int, seed: int) -> torch.Tensor:
@@ -149,6 +154,73 @@ def test_lanes_calling_at_once_trace_once_and_all_get_the_eager_result(monkeypat
         t.join(60)
     assert traces == [1]
     assert all(torch.equal(results[i], expected[i]) for i in range(len(inputs)))
+
+
+class Gated(nn.Module):
+    """A forward that, the first time it runs (inside the trace), waits for ``go``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inside.is_set():
+            self.inside.set()
+            self.go.wait(30)
+        return x * 2
+
+
+def test_a_thread_counts_its_trace_and_its_wait_for_another_threads_trace_as_warm_up():
+    graph = TracedForward(Gated())
+    counted: dict[str, list[int]] = {"tracer": [], "waiter": []}
+
+    def call(name: str, times: int) -> None:
+        take_warmup_ns()  # this thread's count starts at zero
+        for _ in range(times):
+            graph(torch.ones(3))
+            counted[name].append(take_warmup_ns())
+
+    tracer = threading.Thread(target=call, args=("tracer", 2))
+    tracer.start()
+    assert graph.module.inside.wait(30)  # the tracer is inside its trace, holding the lock
+    waiter = threading.Thread(target=call, args=("waiter", 2))
+    waiter.start()
+    threading.Event().wait(0.2)  # the waiter is blocked behind the trace meanwhile
+    graph.module.go.set()
+    tracer.join(30)
+    waiter.join(30)
+    (traced, then), (waited, after) = counted["tracer"], counted["waiter"]
+    assert traced >= 0.2e9 and waited >= 0.15e9  # both batches paid for the trace
+    assert then == after == 0  # the graph exists: no more warm-up on either thread
+
+
+def test_a_server_measures_no_cost_on_a_batch_that_traced_a_graph(thread_server, monkeypatch):
+    """A trace takes 20-50 times a tiny decoder's batch: read as a batch's cost it would skew
+    the cost fit and read as a long batch to the lane tuner (lanes sharing the cores)."""
+    added: list[tuple] = []
+    observed: list[int] = []
+    real_add, real_observe = BatchCosts.add, LaneTuner.observe
+    monkeypatch.setattr(BatchCosts, "add", lambda self, *a: added.append(a) or real_add(self, *a))
+    monkeypatch.setattr(LaneTuner, "observe",
+                        lambda self, s: observed.append(s.tokens) or real_observe(self, s))  # fmt: skip
+    decoder = SNACDecoder.from_config("tiny-24khz", seed=0)
+    torch.set_num_threads(2)  # a server of 2+ threads tunes its lanes (the fixture restores it)
+    server = thread_server(decoder)
+    assert server._lanes.tuner is not None
+
+    def levels(frames: int) -> list:
+        rng = np.random.default_rng(frames)
+        return [rng.integers(0, 4096, frames * r) for r in decoder.codec_adapter().layout.level_rates]
+
+    with DecoderClient(server.name) as client:
+        client.decode_codes(levels(5))  # its batch traces the graph of an unpadded batch
+        client.decode_codes(levels(6))  # the same graph: an ordinary batch
+    deadline = time.monotonic() + 30
+    while (not added or not observed) and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)  # a late count of the first batch would show by now
+    assert [a[2] for a in added] == [6]  # (key, rows, longest, ...): the second batch alone
+    assert observed == [6]
 
 
 class Untraceable(nn.Module):

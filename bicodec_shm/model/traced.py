@@ -22,12 +22,17 @@ If tracing fails (a torch without TorchScript, say), or a graph fails where the 
 might not, the module runs eagerly and a warning says so once: slower under concurrency, never
 wrong. Tracing costs ~0.3 s on a tiny decoder, once per key and decoder: the graphs are shared
 by every lane of the decoder, and only a CPU decoder's lanes use them (``cpu_lane_graphs``).
+That is 20-50 times a tiny decoder's batch, so a batch that traced is no measurement of what a
+batch costs: each thread counts the time it spent tracing, or waiting for another thread's
+trace (``take_warmup_ns``), and the server leaves such a batch out of its cost fit and its
+lane tuner.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -38,6 +43,15 @@ from torch import nn
 log = logging.getLogger("bicodec_shm.model.traced")
 
 _LOCK = threading.Lock()  # one trace at a time: warnings.catch_warnings is process-wide state
+_WARMUP = threading.local()  # .ns: this thread's time in _trace since its last take_warmup_ns
+
+
+def take_warmup_ns() -> int:
+    """The nanoseconds this thread spent tracing graphs, or waiting for another thread's trace,
+    since its last call (0: none); the count starts again from zero."""
+    ns = getattr(_WARMUP, "ns", 0)
+    _WARMUP.ns = 0
+    return ns
 
 
 class TracedForward:
@@ -72,6 +86,13 @@ class TracedForward:
             return self.module(*tensors)
 
     def _trace(self, branch: Hashable, tensors: tuple[torch.Tensor, ...]) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return self._trace_locked(branch, tensors)
+        finally:  # the lock's wait counts too: the batch waited for a trace either way
+            _WARMUP.ns = getattr(_WARMUP, "ns", 0) + time.perf_counter_ns() - t0
+
+    def _trace_locked(self, branch: Hashable, tensors: tuple[torch.Tensor, ...]) -> Any:
         with _LOCK:
             if branch in self.graphs or self.failed:
                 return self.graphs.get(branch)

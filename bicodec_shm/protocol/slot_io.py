@@ -121,6 +121,8 @@ class Batch:
     ``global_ids`` (B, n_global) int64; ``levels`` the codes of levels 1.. (B, r_i·T) int64,
     padded likewise (empty for a one-level codec). ``queued``: the requests that waited when it
     was planned, its own included (0: not counted; the server's reading of its load).
+    ``warmup_ns``: what its decode spent preparing the decoder (tracing a graph: a one-off)
+    rather than decoding; the server measures no cost on a batch where it is not 0.
     """
 
     requests: Requests
@@ -129,6 +131,7 @@ class Batch:
     started_ns: int
     levels: tuple[np.ndarray, ...] = ()
     queued: int = 0
+    warmup_ns: int = 0
 
     @property
     def codes(self) -> list[np.ndarray]:

@@ -97,8 +97,10 @@ class LaneControl:
         # after a switch, a lane being parked may still finish one with its old count), once
         # the batching policy is measured too (batch_costs.py): arrangements compare alike. The
         # load is read at once: how many requests decode together needs no settled policy.
+        # Nor a batch that traced a graph (``Batch.warmup_ns``): a one-off 20-50 times a tiny
+        # decoder's batch, which would read as a long batch and predict lanes sharing the cores.
         threads = lane_threads()
-        if sample is None or threads != max(1, self.cores // self.tuner.lanes):
+        if sample is None or batch.warmup_ns or threads != max(1, self.cores // self.tuner.lanes):
             return None
         if not self.tuner.reading_load and not settled(threads):
             return None

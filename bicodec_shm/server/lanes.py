@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..model.traced import take_warmup_ns
 from ..protocol.slot_io import Batch
 from .adapters import codec_adapter
 
@@ -151,10 +152,12 @@ class Runner:
         if self.cuda:  # times the batch on the device: from before its first kernel to its copies
             started = torch.cuda.Event(enable_timing=True)
             started.record(torch.cuda.current_stream(self.device))
+        take_warmup_ns()  # a trace before this launch is none of this batch's
         if self.asynchronous:
             out, event = self.adapter.launch(batch)
         else:
             out = self.adapter.detokenize(batch)
+        batch.warmup_ns = take_warmup_ns()  # graphs traced on the way: a one-off, no batch cost
         if out.dim() != 2 or out.shape[0] != b or out.shape[1] < n:
             raise RuntimeError(f"decoder returned shape {tuple(out.shape)}, expected ({b}, {n})")
         dtypes = batch.requests.dtypes

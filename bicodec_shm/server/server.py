@@ -601,7 +601,7 @@ class DecoderServer:
     def _measure_costs(self, batch: Batch, decoded: Decoded) -> None:
         """Feed the batch cost fit (batch_costs.py) and the host's launch time (dispatch_policy.py)."""
         req = batch.requests
-        if decoded.device_ns:
+        if decoded.device_ns and not batch.warmup_ns:  # a batch that traced a graph paid a one-off
             self._planner.costs.add(self._cost_key(), len(req), int(batch.semantic.shape[1]),
                                     int(req.lengths.sum()), decoded.device_ns)  # fmt: skip
         if decoded.launch_ns is not None:

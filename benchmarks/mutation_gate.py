@@ -449,6 +449,19 @@ MUTANTS: tuple[Mutant, ...] = (
       "            if branch in self.graphs or self.failed:\n"
       "                return self.graphs.get(branch)\n", "",
       "tests/test_traced.py", "-k", "trace_once"),
+    m("trace-counted-as-a-batch-cost", "a batch that traced a graph feeds the batch cost fit",
+      "bicodec_shm/server/server.py", "if decoded.device_ns and not batch.warmup_ns:",
+      "if decoded.device_ns:", "tests/test_traced.py", "-k", "traced_a_graph"),
+    m("trace-read-by-the-lane-tuner", "a batch that traced a graph is a sample of the lane tuner "
+      "(a long batch: lanes that share the cores)", "bicodec_shm/server/lane_control.py",
+      "if sample is None or batch.warmup_ns or threads", "if sample is None or threads",
+      "tests/test_traced.py", "-k", "traced_a_graph"),
+    m("trace-wait-not-warm-up", "a lane waiting for another lane's trace counts no warm-up",
+      "bicodec_shm/model/traced.py",
+      "        finally:  # the lock's wait counts too: the batch waited for a trace either way\n"
+      "            _WARMUP.ns = getattr(_WARMUP, \"ns\", 0) + time.perf_counter_ns() - t0",
+      "        finally:\n            pass",
+      "tests/test_traced.py", "-k", "warm_up"),
     # -- batching and dispatch measured on the live traffic ----------------------------------------
     m("join-always-pays", "a row joins a batch whatever the measured costs say",
       "bicodec_shm/server/batch_costs.py",

@@ -18,6 +18,7 @@ from torch import nn
 from ...errors import CheckpointError
 from ..weights import Form, existing_folder, export_state_dict, read_config_file
 from .config import BiCodecConfig
+from .encode_config import BiCodecEncodeConfig
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
@@ -96,3 +97,24 @@ def write_state_dict(file: Path, model: nn.Module, form: Form = "weight_norm") -
     tensors = export_state_dict(model, form)
     save_file(tensors, str(file), metadata={"format": "pt"})
     return len(tensors)
+
+
+MODEL_CONFIG_FILE = "config.yaml"  # a Spark-TTS model folder's own, beside BiCodec/
+
+
+def read_encode_config(folder: Path, model_folder: Path | None) -> BiCodecEncodeConfig:
+    """The encode path's ``BiCodecEncodeConfig`` from ``folder/config.yaml`` (BiCodec's) and
+    ``model_folder/config.yaml`` (the tokenizer's: reference clip, volume normalisation; the
+    released model's values when None or absent). CheckpointError names a bad file."""
+    model_doc = None
+    if model_folder is not None and (model_folder / MODEL_CONFIG_FILE).is_file():
+        model_doc = read_config_file(model_folder / MODEL_CONFIG_FILE, _load_yaml, "YAML",
+                                     (yaml.YAMLError,), _mapping)  # fmt: skip
+    return read_config_file(folder / CONFIG_FILE, _load_yaml, "YAML", (yaml.YAMLError,),
+                            lambda doc: BiCodecEncodeConfig.from_dict(_mapping(doc), model_doc))  # fmt: skip
+
+
+def _mapping(doc: Any) -> Mapping[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"expected a mapping at the top level, got {type(doc).__name__}")
+    return doc

@@ -5,7 +5,8 @@
                         config_values, inputs, precision, random_weights, devices; registry.py
                         (which decoder class decodes each codec)
     model/bicodec/      BiCodec (Spark-TTS): ``BiCodecDecoder``, ``BiCodecConfig``, and
-                        ``GraphedDecoder`` (CUDA graphs over the shape buckets of a ``BucketGrid``)
+                        ``GraphedDecoder`` (CUDA graphs over the shape buckets of a ``BucketGrid``);
+                        the encode path, ``BiCodecEncoder`` (waveforms -> ids)
     model/snac/         SNAC (Orpheus TTS): ``SNACDecoder``, ``SNACConfig``
     model/dac/          DAC (Dia, Parler-TTS): ``DACDecoder``, ``DACConfig``
     model/qwen3_tts/    Qwen3-TTS's 12 Hz speech tokenizer: ``Qwen3TTSDecoder``, ``Qwen3CodecConfig``
@@ -26,6 +27,7 @@ from typing import Any
 _EXPORTS = {
     "BiCodecConfig": ".bicodec.config",
     "BiCodecDecoder": ".bicodec.decoder",
+    "BiCodecEncoder": ".bicodec.tokenizer",
     "BucketGrid": ".bicodec.buckets",
     "DACConfig": ".dac",
     "DACDecoder": ".dac",

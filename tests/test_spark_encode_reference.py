@@ -160,3 +160,21 @@ def test_batched_features_are_each_rows_lone_features_and_need_the_mask(referenc
         assert err <= FEATURE_TOL, f"row {row}: max |batched - Spark-TTS lone| = {err:.2e}"
         leak = max(leak, float(np.abs(unmasked[row, :n].numpy() - expected).max()))
     assert leak > 100 * FEATURE_TOL  # the case is telling: unmasked, padding reaches short rows
+
+
+def test_a_folder_without_wav2vec2_or_encode_weights_is_refused_by_name(model_folder, tmp_path):
+    import shutil
+
+    from bicodec_shm.errors import CheckpointError
+
+    shutil.copytree(model_folder / "BiCodec", tmp_path / "BiCodec")
+    with pytest.raises(CheckpointError, match="wav2vec2-large-xlsr-53: no wav2vec2 folder"):
+        BiCodecEncoder.from_pretrained(tmp_path)
+    # A decode-only file (the encode networks' tensors left out) lists what it lacks.
+    from safetensors.torch import load_file
+
+    decode_only = {k: v for k, v in load_file(tmp_path / "BiCodec" / "model.safetensors").items()
+                   if not k.startswith(("encoder.", "speaker_encoder.speaker_encoder."))}  # fmt: skip
+    save_file(decode_only, str(tmp_path / "BiCodec" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing: encoder\.encoder\.embed\.weight"):
+        BiCodecEncoder.from_pretrained(tmp_path / "BiCodec", wav2vec2=model_folder / "wav2vec2-large-xlsr-53")

@@ -26,6 +26,7 @@ from support import SteppedDecoder, join_within, reap, seeded_request, single_de
 
 from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.server.batch_costs import (
+    LATENCY_FACTOR,
     MIN_SAMPLES,
     PROBE_EVERY,
     BatchCosts,
@@ -45,6 +46,10 @@ DEVICE = CostFit(4 * MS, 0.006 * MS, 0.0, 0.0, 0.006 * MS)
 CPU_BICODEC = CostFit(108 * MS, 14 * MS, 0.0, 9 * MS, 14 * MS)
 # SNAC on that CPU: an extra row costs more per token than a lone decode (1.4-1.7x at B = 2).
 CPU_SNAC = CostFit(60 * MS, 20 * MS, 0.0, 60 * MS, 30 * MS)
+# Tiny SNAC's stream windows on that CPU, one thread a lane (a server's log at 16 Orpheus
+# streams: "a row alone 16.7 ms + 0 ms/token; each extra row 13.9 ms + 0 ms/padded token"):
+# every extra row pays, whatever its padding, and costs nearly a lone decode of its own.
+CPU_WINDOWS = CostFit(16 * MS, 0.5 * MS, 0.0, 13 * MS, 0.0)
 
 
 def _samples(model: CostFit, n: int = 60, seed: int = 0, noise: float = 0.0):
@@ -89,7 +94,8 @@ def _ready(lengths):
 def _planner(model: CostFit | None, **kw) -> BatchPlanner:
     planner = BatchPlanner(max_batch=kw.pop("max_batch", 16),
                            max_batch_tokens=kw.pop("max_batch_tokens", None), min_fill=0.5,
-                           measured=kw.pop("measured", True), prior_batches=False)  # fmt: skip
+                           measured=kw.pop("measured", True), prior_batches=False,
+                           latency_bound=kw.pop("latency_bound", False))  # fmt: skip
     if model is not None:
         planner.costs = _fed(model)
     return planner
@@ -115,6 +121,48 @@ def test_where_an_extra_row_costs_more_than_a_lone_decode_rows_go_alone():
     lengths, seen = _ready(READY)
     chosen = _planner(CPU_SNAC).plan(lengths, seen, key=1)
     assert chosen.tolist() == [0]  # the oldest, alone
+
+
+def test_a_cpu_lanes_batch_takes_at_most_twice_its_most_urgent_rows_lone_decode():
+    """Where every extra row pays but costs nearly a lone decode (a CPU), every row of a big
+    batch would wait for all of it: 8 windows of 7 frames would take 110 ms against 19.5 alone."""
+    lengths, due = _ready([7, 7, 6, 7, 7, 7, 6, 7])
+    assert _fed(CPU_WINDOWS).mode(1) == "on"  # batching pays, any padding: every row that fits
+    assert len(_planner(CPU_WINDOWS).plan(lengths, due, key=1)) == 8  # so without the bound: all
+    bounded = _planner(CPU_WINDOWS, latency_bound=True)
+    chosen = bounded.plan(lengths, due, key=1)
+    assert len(chosen) == 2 and 0 in chosen.tolist()  # the one due soonest, and one more
+    assert CPU_WINDOWS.batch_ns(2, 7) <= LATENCY_FACTOR * CPU_WINDOWS.lone_ns(7) < CPU_WINDOWS.batch_ns(3, 7)
+    urgent = np.array([5, 4, 3, 2, 1, 0, 6, 7])  # the sixth row is due soonest now
+    assert 5 in bounded.plan(lengths, urgent, key=1).tolist()
+    # The bound is the most urgent row's: a 24-frame row alone takes 28 ms, so its batch may take
+    # 56 (three rows, 54 ms); a 14-frame row's bound (46 ms) would take two (41 ms).
+    long_first, long_due = _ready([24, 14, 14, 14, 14, 14])
+    chosen = bounded.plan(long_first, long_due, key=1)
+    assert len(chosen) == 3 and 0 in chosen.tolist()
+    assert len(bounded.predict(lengths, due, fit=CPU_WINDOWS, key=1)) == 2  # the policy's forecast too
+
+
+def test_the_latency_bound_leaves_a_device_batching_every_row_that_pays():
+    lengths, seen = _ready(READY)
+    chosen = _planner(DEVICE, latency_bound=True).plan(lengths, seen, key=1)
+    assert len(chosen) == 7  # a batch costs little more than a row there: as without the bound
+
+
+def test_a_cpu_server_bounds_its_batches_and_a_device_shaped_one_does_not(thread_server):
+    from support import reference_model
+
+    from bicodec_shm.protocol.names import random_name, unlink_all
+    from bicodec_shm.server.server import DecoderServer
+    from bicodec_shm.tools.bench.standin import StandInDecoder
+
+    assert thread_server(reference_model())._planner.latency_bound
+    device_name = random_name("bcshm-test")
+    try:
+        with DecoderServer(StandInDecoder(), device_name) as device:
+            assert not device._planner.latency_bound
+    finally:
+        unlink_all(device_name)
 
 
 def test_static_batching_and_the_bounds_win_over_the_measurement():

@@ -31,6 +31,11 @@ near the batch's length do, up to the padding the saved fixed cost buys; where a
 costs more than a lone decode even unpadded, nothing is batched. The static policy's bounds
 (``max_batch``, the token budget, ``min_fill``; batching.py) still hold on top.
 
+On a CPU lane one more bound holds: every row of a batch waits for the whole of it, and an
+extra row there costs nearly a lone decode, so a batch may take at most ``LATENCY_FACTOR`` times
+what its most urgent row (the one due soonest) takes alone, unless that row's due time leaves
+more. A device batches every row that pays: a batch there costs little more than a row.
+
 Measuring needs batches: while a fit lacks batched samples, or when none was decoded for
 ``probe_every`` batches, one plan in two (then one) is a *probe*, the static policy's batch cut
 to its two nearest lengths: the cheapest batch that says what an extra row costs. Before a fit
@@ -63,6 +68,12 @@ WINDOW = 48  # recent samples of each kind (lone, batched) the fit uses
 MIN_SAMPLES = 8  # samples before a fit is trusted ...
 MIN_BATCHED = 3  # ... of which batched ones
 PROBE_EVERY = 32  # batches without a batched sample before the next probe
+# A CPU lane's batch takes at most this many times its most urgent row's lone decode, or until
+# that row is due if that is later. 16 Orpheus streams on 2 cores (tiny SNAC, a window every
+# 140 ms with ~30 ms of slack at its second chunk): with every row that pays in one batch (up to
+# ~75 ms), 54 and 12 late chunks of 960 in two runs; batches of at most 2 rows, 8 and 3
+# (benchmarks/RESULTS.md).
+LATENCY_FACTOR = 2.0
 _N_PARAMS = 5
 
 
@@ -274,15 +285,21 @@ class BatchPlanner:
         measured: batch only where the fit says it pays (False: the static policy alone).
         prior_batches: before any fit, batch as the static policy does (a device); else decode
             rows alone between probes (a CPU).
+        latency_bound: a measured batch takes at most ``LATENCY_FACTOR`` times its most urgent
+            row's lone decode, or until that row is due (CPU lanes; module docstring).
+        clock: CLOCK_MONOTONIC nanoseconds, the clock of the due times (tests step it).
     """
 
     def __init__(self, *, max_batch: int, max_batch_tokens: int | None, min_fill: float,
-                 measured: bool, prior_batches: bool) -> None:  # fmt: skip
+                 measured: bool, prior_batches: bool, latency_bound: bool = False,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:  # fmt: skip
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self.min_fill = min_fill
         self.measured = measured
         self.prior_batches = prior_batches
+        self.latency_bound = latency_bound
+        self._clock = clock
         self.costs = BatchCosts(min_fill=min_fill)
         self.plans = 0
         self.probes = 0  # probe batches planned (tests, logs)
@@ -300,7 +317,8 @@ class BatchPlanner:
             return plan_batch(lengths, seen_ns, **static)
         fit = self.costs.fit(key)
         if fit is not None:
-            chosen = plan_batch(lengths, seen_ns, **static, joins=self._gate(fit, key))
+            chosen = plan_batch(lengths, seen_ns, **static, joins=self._gate(fit, key),
+                                within=self._bound(fit, lengths, seen_ns))  # fmt: skip
         elif self.prior_batches:
             return plan_batch(lengths, seen_ns, **static)
         else:
@@ -328,8 +346,19 @@ class BatchPlanner:
         costs, without probing (for the dispatch policy's predictions)."""
         static = dict(max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens,
                       min_fill=self.min_fill)  # fmt: skip
-        gate = self._gate(fit, key) if self.measured and fit is not None else None
-        return plan_batch(lengths, seen_ns, **static, joins=gate)
+        if not self.measured or fit is None:
+            return plan_batch(lengths, seen_ns, **static)
+        return plan_batch(lengths, seen_ns, **static, joins=self._gate(fit, key),
+                          within=self._bound(fit, lengths, seen_ns))  # fmt: skip
+
+    def _bound(self, fit: CostFit, lengths: np.ndarray,
+               due_ns: np.ndarray) -> Callable[[int, int], bool] | None:  # fmt: skip
+        """The latency bound of a CPU lane's batch (module docstring), or None (a device)."""
+        if not self.latency_bound or len(lengths) < 2:
+            return None
+        urgent = int(np.lexsort((np.arange(len(due_ns)), due_ns))[0])  # as plan_batch's first row
+        limit = LATENCY_FACTOR * fit.lone_ns(int(lengths[urgent]))
+        return lambda rows, longest: fit.batch_ns(rows, longest) <= limit
 
     def _gate(self, fit: CostFit, key: Hashable) -> Callable[[int, int, int], bool] | None:
         """The join rule, or None where the key's verdict is "on" (every row that fits pays:

@@ -63,6 +63,7 @@ def plan_batch(
     max_batch_tokens: int | None,
     min_fill: float = 0.0,
     joins: Callable[[int, int, int], bool] | None = None,
+    within: Callable[[int, int], bool] | None = None,
 ) -> np.ndarray:
     """Choose the next batch among ready requests; the rest wait for the next round.
 
@@ -73,6 +74,9 @@ def plan_batch(
             a request is passed over only by ones due before it and never starves.
         joins: ``joins(rows, longest, length)``: may a row of ``length`` tokens join a batch of
             ``rows`` rows whose longest has ``longest`` tokens (None: every row that fits may)?
+        within: ``within(rows, longest)``: may a batch of ``rows`` rows padded to ``longest``
+            tokens run, for the sake of its most urgent row (a CPU lane's latency bound,
+            batch_costs.py; None: any)?
     Returns:
         (B,) indices into the arrays, 1 <= B <= R when R > 0, longest first.
     """
@@ -85,6 +89,7 @@ def plan_batch(
         and n <= max_batch
         and (max_batch_tokens is None or n * longest <= max_batch_tokens)
         and shortest >= min_fill * longest
+        and (within is None or within(n, longest))
     ):
         return np.argsort(-lengths, kind="stable")  # everything fits: the common case
     oldest = int(np.lexsort((np.arange(n), submitted_ns))[0])
@@ -104,6 +109,8 @@ def plan_batch(
         if new_shortest < min_fill * new_longest:
             continue
         if joins is not None and not joins(len(chosen), longest, length):
+            continue
+        if within is not None and not within(len(chosen) + 1, new_longest):
             continue
         chosen.append(j)
         longest, shortest = new_longest, new_shortest

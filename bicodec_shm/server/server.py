@@ -186,7 +186,7 @@ class DecoderServer:
         self.max_lanes = self._lanes.max_lanes  # lane threads started
         self._planner = BatchPlanner(max_batch=max_batch, max_batch_tokens=max_batch_tokens,
                                      min_fill=min_fill, measured=batching == "auto",
-                                     prior_batches=device_like)  # fmt: skip
+                                     prior_batches=device_like, latency_bound=not device_like)  # fmt: skip
         self._policy = DispatchPolicy(dispatch, rejoin_ms=rejoin_ms, pipelined=self._pipeline)
         self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
         self.semantic_vocab = self.codec.level_vocab[0]

@@ -53,7 +53,7 @@ def snac_server(thread_server, tiny24):
 
 
 def test_the_header_names_the_codec_and_sizes_the_areas_by_its_layout(shm_name):
-    assert LAYOUT_VERSION == 12
+    assert LAYOUT_VERSION == 13
     seg = Segment.create(shm_name, n_slots=3, max_tokens=10, codec=SNAC_32KHZ)
     try:
         seg.start_serving()

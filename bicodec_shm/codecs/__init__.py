@@ -6,6 +6,7 @@
                     importing torch), checked before anything is written
     orpheus.py      Orpheus TTS's audio-token ids and ``<custom_token_N>`` text <-> SNAC codes
     dia.py          Dia's delayed audio tokens <-> DAC 44 kHz codes
+    audio.py        the encode direction: a clip checked before it is written, the codes back
 
 The client imports these to validate a request before it writes anything; the model package has
 one decoder per codec (``model/bicodec/``, ``model/snac/``, ``model/dac/``, ``model/qwen3_tts/``).
@@ -13,6 +14,7 @@ one decoder per codec (``model/bicodec/``, ``model/snac/``, ``model/dac/``, ``mo
 May import: ``errors`` only (and numpy). Never torch.
 """
 
+from .audio import EncodedAudio
 from .dia import codes_to_dia, dia_to_codes
 from .layout import (
     BICODEC,
@@ -39,6 +41,7 @@ __all__ = [
     "DAC_24KHZ",
     "DAC_44KHZ",
     "DEFAULT_NOISE_SEED",
+    "EncodedAudio",
     "LAYOUTS",
     "QWEN3_TTS_12HZ",
     "SNAC_24KHZ",

@@ -61,10 +61,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import posix_ipc
 
+from ..codecs.audio import EncodedAudio
 from ..codecs.layout import DEFAULT_NOISE_SEED
-from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, ServerUnavailableError
+from ..errors import BiCodecShmError, DecodeError, DecodeTimeoutError, NoEncoderError, ServerUnavailableError
 from .async_answers import AsyncAnswers, resolve
-from .layout import CLAIMED, DONE, FREE, MAX_DUE_IN_US, READY, OutputDtype, Phase, Status
+from .layout import CLAIMED, DONE, FLAG_ENCODE, FREE, MAX_DUE_IN_US, READY, OutputDtype, Phase, Status
 from .posts import drain, post
 from .segment import Segment
 from .slot_waits import SlotWaits
@@ -99,6 +100,7 @@ class Attachment(AsyncAnswers, SlotWaits):
         self.semantic_vocab = self.codec.level_vocab[0]
         self.global_vocab = self.codec.global_vocab
         self.max_tokens = layout.max_tokens
+        self.encode_min_samples, self.max_audio_samples = layout.encode_min_samples, layout.max_audio_samples
         self.n_slots = layout.n_slots
         self.name = name
         self.max_slots = max_slots
@@ -530,8 +532,11 @@ class Attachment(AsyncAnswers, SlotWaits):
     def submit(self, slot: int, seq: int, semantic: np.ndarray | Sequence[np.ndarray],
                global_ids: np.ndarray | None, dtype: int, notify: int, *,
                noise_seed: int = DEFAULT_NOISE_SEED, flags: int = 0,
-               start_frame: int = 0, due_at_ns: int = 0) -> None:  # fmt: skip
-        """Write request ``seq`` into ``slot`` and ring the server.
+               start_frame: int = 0, due_at_ns: int = 0,
+               audio: np.ndarray | None = None) -> None:  # fmt: skip
+        """Write request ``seq`` into ``slot`` and ring the server. ``audio``: an encode
+        request's clip (N,) float32, written instead of codes (``semantic`` is then empty).
+
 
         ``semantic``: level 0's codes (T,) int32, or every level's codes (validated against
         ``self.codec``); ``global_ids`` (n_global,) int32, or None for a codec without them;
@@ -539,16 +544,21 @@ class Attachment(AsyncAnswers, SlotWaits):
         microseconds left at this submit: a request that waited for a slot, or is resubmitted
         to a restarted server, is due that much sooner."""
         with self.use() as seg:
-            levels = [semantic] if isinstance(semantic, np.ndarray) else semantic
-            n = levels[0].shape[0]
-            seg.tokens[slot, :n] = levels[0]  # payload first ...
-            for i in range(1, len(levels)):
-                start = seg.layout.level_offset(i)
-                seg.tokens[slot, start : start + levels[i].shape[0]] = levels[i]
-            if global_ids is not None:
-                seg.globals[slot] = global_ids
-            f = seg.field
+            f, n_audio = seg.field, 0 if audio is None else audio.shape[0]
+            if audio is not None:  # payload first: the clip, and the frames it spans ...
+                seg.pcm32[slot, :n_audio] = audio
+                n, flags = -(-n_audio // seg.codec.samples_per_frame), flags | FLAG_ENCODE
+            else:  # ... or the codes
+                levels = [semantic] if isinstance(semantic, np.ndarray) else semantic
+                n = levels[0].shape[0]
+                seg.tokens[slot, :n] = levels[0]
+                for i in range(1, len(levels)):
+                    start = seg.layout.level_offset(i)
+                    seg.tokens[slot, start : start + levels[i].shape[0]] = levels[i]
+                if global_ids is not None:
+                    seg.globals[slot] = global_ids
             f["n_tokens"][slot] = n
+            f["audio_samples"][slot] = n_audio
             f["n_global"][slot] = seg.codec.n_global
             f["noise_seed"][slot] = noise_seed
             f["flags"][slot] = flags
@@ -604,16 +614,20 @@ class Attachment(AsyncAnswers, SlotWaits):
         return DecodeTimeoutError(
             f"no answer from the decoder server {self.name!r} within the timeout ({why})")
 
-    def take_result(self, seg: Segment, slot: int, seq: int) -> np.ndarray:
-        """Copy a DONE slot's PCM out (or raise its error) and hand the slot back."""
+    def take_result(self, seg: Segment, slot: int, seq: int) -> np.ndarray | EncodedAudio:
+        """Copy a DONE slot's PCM (an encode's codes) out, or raise its error; hand the slot back."""
         f = seg.field
         try:
             status = int(f["status"][slot])
             if status != Status.OK:
                 detail = seg.error_text(slot)
                 name = Status(status).name if status in Status._value2member_map_ else str(status)
+                if status == Status.NO_ENCODER:
+                    raise NoEncoderError(f"{self.name!r}: {detail}", code=status, detail=detail)
                 raise DecodeError(f"server rejected the request ({name}): {detail}",
                                   code=status, detail=detail)  # fmt: skip
+            if f["flags"][slot] & FLAG_ENCODE:  # our own request's flags
+                return _codes(seg, slot)
             n = min(int(f["n_samples"][slot]), seg.pcm32.shape[1])  # never trust a length
             if f["dtype"][slot] == _FLOAT32:
                 return seg.pcm32[slot, :n].copy()
@@ -691,3 +705,13 @@ class Attachment(AsyncAnswers, SlotWaits):
         seg, self.segment = self.segment, None
         if seg is not None:
             seg.close()
+
+
+def _codes(seg: Segment, slot: int) -> EncodedAudio:
+    """A private copy of an encode's answer in ``slot``: its frames, never past what the slot
+    holds, of every level's codes, and its global ids."""
+    frames = min(int(seg.field["result_frames"][slot]), seg.layout.max_tokens)
+    at = seg.layout.level_offset
+    codes = tuple(seg.tokens[slot, at(i) : at(i) + rate * frames].copy()
+                  for i, rate in enumerate(seg.codec.level_rates))  # fmt: skip
+    return EncodedAudio(codes, seg.globals[slot].copy() if seg.codec.n_global else None)

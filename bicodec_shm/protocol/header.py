@@ -79,7 +79,12 @@ def _read_layout(name: str, fd: int) -> Layout:
             f"/dev/shm/{name}: its header says {n_slots} slots of {max_tokens} frames; a segment "
             f"has 1..{MAX_SLOTS} slots of 1..{MAX_FRAMES} frames"
         )
-    layout = Layout(n_slots, max_tokens, codec)
+    encodes, min_samples = int(h["encodes"]), int(h["encode_min_samples"])
+    if (encodes not in (0, 1) or (encodes == 1) != (min_samples > 0)
+            or min_samples > max_tokens * codec.samples_per_frame):  # fmt: skip
+        raise SegmentError(f"/dev/shm/{name}: its header says encodes={encodes} with "
+                           f"encode_min_samples={min_samples}")  # fmt: skip
+    layout = Layout(n_slots, max_tokens, codec, min_samples)
     if (
         int(h["header_size"]) != HEADER_SIZE
         or int(h["slot_size"]) != SLOT_DT.itemsize
@@ -101,7 +106,7 @@ def _read_layout(name: str, fd: int) -> Layout:
 DESCRIPTION = ("version", "header_size", "n_slots", "max_tokens", "n_global", "slot_size", "total_size",
                "semantic_vocab", "global_vocab", "server_epoch", "server_uid", "max_batch", "codec",
                "n_levels", "level_rates", "level_vocab", "samples_per_frame", "sample_rate",
-               "end_trim")  # fmt: skip
+               "end_trim", "encodes", "encode_min_samples")  # fmt: skip
 
 
 def description_digest(h: np.void | np.ndarray) -> int:

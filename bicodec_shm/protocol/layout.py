@@ -15,6 +15,7 @@ Segment layout (all offsets are multiples of 64 bytes)::
     +---------------------+----------------------------------------+----------------+
     | global tokens       | PCM areas: n_slots x (max_tokens*spf*4)| semaphores     |
     | n_slots x n_global  | bytes, int16 or float32, in place      | (2+3n) x sem_t |
+    |                     | (an encode's audio in: float32)        |                |
     +---------------------+----------------------------------------+----------------+
 
 The codec seam. A server serves one codec, named in the header with its token layout
@@ -36,6 +37,15 @@ semaphore counts say: so a stale post, a slot handed on to another client, a res
 sequence counter or a new server incarnation can never deliver another request's audio. The
 server refuses a request whose ``req_generation`` is not the slot's ``generation`` (the slot was
 reclaimed under it).
+
+Encode (audio -> codes) is a decode run backwards through the same slot, with the same identity,
+states, posts and clean-up: ``flags`` bit ``FLAG_ENCODE`` says so. The client writes the audio
+(float32) into the slot's PCM area, its length into ``audio_samples`` and the frames that audio
+spans (``ceil(audio_samples / spf)``, what the batch planner counts) into ``n_tokens``; the
+server writes every level's codes into the codes row (BiCodec: the semantic ids), the global ids
+into the global area and the frames it produced into ``result_frames``. The header's
+``encodes`` says whether the server loaded an encoder (``serve --encode``), and
+``encode_min_samples`` the shortest audio it takes.
 """
 
 from __future__ import annotations
@@ -64,8 +74,10 @@ CREATING_MAGIC = 0x5745_4E5F_4344_4342  # b"BCDC_NEW" little-endian
 # clients are counted apart from the host gap (``waited_ns``); 11: a request says when its audio
 # is due (``due_in_us``), and the server decodes what is due soonest first; 12: a segment ends in
 # a region of process-shared semaphores (``sems_off``), which a segment handed over a socket uses
-# (``transport``: handoff.py, shared_sems.py)
-LAYOUT_VERSION = 12
+# (``transport``: handoff.py, shared_sems.py); 13: encode requests (``FLAG_ENCODE``: audio in
+# the PCM area, ``audio_samples``; codes back, ``result_frames``) and the header's ``encodes``
+# and ``encode_min_samples``
+LAYOUT_VERSION = 13
 HEADER_SIZE = 4096
 HOP = 320  # samples per semantic token at 16 kHz
 N_GLOBAL = 32
@@ -84,6 +96,7 @@ DEFAULT_START_WAIT = 30.0  # seconds a new server waits for one stopping under i
 MAX_LEVELS = 64
 CODEC_NAME_BYTES = 32
 FLAG_NO_NOISE = 1  # slot ``flags``: decode without the codec's noise (SNAC's noise=False)
+FLAG_ENCODE = 2  # slot ``flags``: an encode request (audio in the PCM area, codes back)
 NO_BELL = 0xFFFFFFFF  # ``notify`` of a synchronous request: ring no bell
 # The ``free`` doorbell is posted on every give-back but taken only by claimers that wait:
 # without a bound its count would grow until sem_post fails with EOVERFLOW. A few posts are
@@ -142,6 +155,8 @@ class Status(enum.IntEnum):
     STALE_GENERATION = 6
     BAD_NOTIFY = 7
     DECODE_FAILED = 8
+    BAD_AUDIO = 9  # an encode request's audio: a length that does not fit, or a sample not finite
+    NO_ENCODER = 10  # an encode request to a server started without ``--encode``
 
 
 N_STATUS = 16  # room in the header's failed-by-status counters
@@ -207,6 +222,10 @@ HEADER_DT = np.dtype(
         # How clients reach the segment (``Transport``): its named object, or the memfd handed
         # over NAME.sock; a named object that says SOCKET is only the server's mirror of it.
         ("transport", "<u4"),
+        # Whether the server encodes (1: started with ``--encode``; 0: it answers an encode
+        # request with NO_ENCODER), and the fewest samples its encoder takes (0 without one).
+        ("encodes", "<u4"),
+        ("encode_min_samples", "<u4"),
     ],
     align=True,
 )
@@ -278,6 +297,10 @@ SLOT_DT = np.dtype(
         # still buffered at its listener (0: due now, as a whole utterance is). Client-written:
         # the server caps it at MAX_DUE_IN_US and orders its plans by it (slot_io.py).
         ("due_in_us", "<u4"),
+        # An encode request (``FLAG_ENCODE``): the samples of its audio in the PCM area, written
+        # by the client; and the frames of codes the server wrote back, with the answer.
+        ("audio_samples", "<u4"),
+        ("result_frames", "<u4"),
     ],
     align=True,
 )
@@ -301,11 +324,29 @@ def _align(n: int, to: int = 64) -> int:
 class Layout:
     """Byte offsets of each region, derived from (n_slots, max_tokens, codec) alone.
 
-    ``max_tokens`` counts frames; ``codec`` (BiCodec by default) sizes the areas per frame."""
+    ``max_tokens`` counts frames; ``codec`` (BiCodec by default) sizes the areas per frame.
+    ``encode_min_samples``: the fewest samples of audio the server's encoder takes, 0 if it
+    serves no encoder (no region depends on it: it travels with the sizes clients check)."""
 
     n_slots: int
     max_tokens: int
     codec: CodecLayout = BICODEC
+    encode_min_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.encode_min_samples <= self.max_audio_samples:
+            raise ValueError(f"encode_min_samples must be in 0..{self.max_audio_samples} (a slot's "
+                             f"audio), got {self.encode_min_samples}")  # fmt: skip
+
+    @property
+    def encodes(self) -> bool:
+        """Whether the server answers encode requests (``serve --encode``)."""
+        return self.encode_min_samples > 0
+
+    @property
+    def max_audio_samples(self) -> int:
+        """The most samples of audio an encode request's slot holds (its PCM area, float32)."""
+        return self.max_tokens * self.codec.samples_per_frame
 
     @property
     def codes_per_slot(self) -> int:

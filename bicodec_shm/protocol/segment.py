@@ -272,7 +272,7 @@ class Segment:
         lanes: int = 1,
         wait: float = 0.0,
         reserved: int | None = None,
-        codec: CodecLayout | None = None,
+        codec: CodecLayout | None = None, encode_min_samples: int = 0,
     ) -> Segment:
         """Own ``name`` exclusively and create a fresh segment and its semaphores under it.
 
@@ -283,7 +283,7 @@ class Segment:
         ``start_serving()``.
 
         ``codec``: the served codec's token layout; None means BiCodec with ``semantic_vocab``
-        and ``global_vocab``.
+        and ``global_vocab``. ``encode_min_samples``: its encoder's shortest clip (0: none).
         """
         validate_name(name)
         if codec is None:
@@ -295,7 +295,7 @@ class Segment:
             raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {n_slots}")
         if not 1 <= max_tokens <= 100_000:
             raise ValueError(f"max_tokens must be in 1..100000, got {max_tokens}")
-        layout = Layout(n_slots, max_tokens, codec)
+        layout = Layout(n_slots, max_tokens, codec, encode_min_samples)
         shared = shared_mode(mode)
         if not shared:
             check_free_space(layout.total_size)
@@ -336,8 +336,8 @@ class Segment:
             h["slot_size"] = SLOT_DT.itemsize
             h["total_size"] = layout.total_size
             h["semantic_vocab"] = codec.level_vocab[0]
-            h["global_vocab"] = codec.global_vocab
-            write_codec(h, codec)
+            write_codec(h, codec)  # global_vocab and n_global too
+            h["encodes"], h["encode_min_samples"] = int(layout.encodes), encode_min_samples
             h["max_batch"] = max_batch
             h["lanes"] = lanes
             h["server_pid"] = os.getpid()

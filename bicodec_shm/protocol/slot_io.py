@@ -10,6 +10,12 @@ Shapes: ``B`` rows in the batch, ``T`` the longest row's frames (BiCodec: semant
 ``N = spf·T`` samples (``spf`` the codec's samples per frame, 320 for BiCodec; ``end_trim``
 fewer for a codec whose decoder ends short, ``CodecLayout.decoded_samples``). The codes of
 level ``i`` are (B, r_i·T), ``r_i`` its codes per frame (``seg.codec``).
+
+Encode requests (``FLAG_ENCODE``, layout.py) take the same steps the other way round:
+``check_headers`` checks their audio's length (and that this server encodes), ``gather`` copies
+their audio (B, A) float32, A the longest row's ``audio_samples``, into a batch of encode rows
+alone (the server never plans the two kinds together), and ``publish_codes`` writes their codes
+back where a decode's codes come from. Identity, states and posts are the decode's own.
 """
 
 from __future__ import annotations
@@ -21,7 +27,19 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .layout import BUSY, DONE, ERROR_TEXT_BYTES, MAX_DUE_IN_US, NO_BELL, READY, REQUEST_ID, SLOT_DT, Status
+from .layout import (
+    BUSY,
+    DONE,
+    ERROR_TEXT_BYTES,
+    FLAG_ENCODE,
+    MAX_DUE_IN_US,
+    NO_BELL,
+    READY,
+    REQUEST_ID,
+    SLOT_DT,
+    Layout,
+    Status,
+)
 from .posts import post
 from .segment import Segment
 
@@ -74,6 +92,14 @@ class Requests:
     # (B,) int64: when the request's audio is due, seen_ns plus its capped ``due_in_us``; the
     # plans take what is due soonest first. None: due when seen (``due``).
     due_ns: np.ndarray | None = None
+    # (B,) uint32: an encode request's audio samples (``FLAG_ENCODE`` in ``flags``; else unused).
+    audio_samples: np.ndarray | None = None
+
+    def encodes(self) -> np.ndarray:
+        """(B,) bool: the rows that are encode requests (audio in, codes back)."""
+        if self.flags is None:
+            return np.zeros(len(self.slots), bool)
+        return (self.flags & FLAG_ENCODE) != 0
 
     def due(self) -> np.ndarray:
         """(B,) int64: when each request's audio is due (its seen time where it says nothing)."""
@@ -123,6 +149,10 @@ class Batch:
     was planned, its own included (0: not counted; the server's reading of its load).
     ``warmup_ns``: what its decode spent preparing the decoder (tracing a graph: a one-off)
     rather than decoding; the server measures no cost on a batch where it is not 0.
+
+    An encode batch (``audio`` not None) holds ``audio`` (B, A) float32, right-padded with 0
+    (A: its longest row's samples, ``requests.audio_samples``), and empty (B, 0) ``semantic``
+    and ``global_ids``: it has no codes until the encoder makes them.
     """
 
     requests: Requests
@@ -132,6 +162,17 @@ class Batch:
     levels: tuple[np.ndarray, ...] = ()
     queued: int = 0
     warmup_ns: int = 0
+    audio: np.ndarray | None = None
+
+    @property
+    def frames(self) -> int:
+        """T: the frames of its longest row, what its padded cost is counted in."""
+        return int(self.semantic.shape[1]) if self.audio is None else int(self.lengths.max())
+
+    @property
+    def audio_lengths(self) -> np.ndarray:
+        """(B,) int64 samples of each encode row's audio."""
+        return self.requests.audio_samples.astype(np.int64)
 
     @property
     def codes(self) -> list[np.ndarray]:
@@ -152,6 +193,11 @@ class Batch:
         halves = []
         for rows in (slice(0, mid), slice(mid, None)):
             req = self.requests.take(rows)
+            if self.audio is not None:
+                a = int(req.audio_samples.max())
+                halves.append(Batch(req, self.semantic[rows], self.global_ids[rows], self.started_ns,
+                                    audio=self.audio[rows, :a]))  # fmt: skip
+                continue
             t = int(req.lengths.max())
             rates = [level.shape[1] // self.semantic.shape[1] for level in self.levels]
             halves.append(Batch(req, self.semantic[rows, :t], self.global_ids[rows], self.started_ns,
@@ -186,12 +232,15 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
         # a bell out of range; NO_BELL (2**32 - 1) + 1 wraps to 0 (uint32)
         | ((notify + np.uint32(1)) > n_bells)
     )  # fmt: skip
+    encode = (rows["flags"] & FLAG_ENCODE) != 0
+    if encode.any():
+        bad |= encode & ~_audio_fits(seg.layout, rows["audio_samples"], n_tokens)
     seen = np.asarray(seen_ns, np.int64)
     slots = np.asarray(slots, np.int64)
     failures: list[Failure] = []
     if (stray | bad).any():  # the rare path: drop strays, name the first problem of each bad row
         bad &= ~stray
-        failures = [(int(slots[j]), *_problem(rows[j], seg.layout.max_tokens, n_bells, seg.codec.n_global))
+        failures = [(int(slots[j]), *_problem(rows[j], seg.layout, n_bells))
                     for j in np.flatnonzero(bad).tolist()]  # fmt: skip
         ok = ~(stray | bad)
         if not ok.any():
@@ -213,6 +262,7 @@ def check_headers(seg: Segment, slots: np.ndarray, seen_ns: np.ndarray, *, n_bel
         flags=rows["flags"],
         start_frames=rows["start_frame"],
         due_ns=seen + 1000 * np.minimum(rows["due_in_us"], MAX_DUE_IN_US).astype(np.int64),
+        audio_samples=rows["audio_samples"],
     )
     return requests, failures
 
@@ -221,7 +271,8 @@ _FIELD = {name: i for i, name in enumerate(SLOT_DT.names)}
 # The fields _check_one reads, out of a header's tuple in one call.
 _PICK = operator.itemgetter(*(_FIELD[f] for f in (
     "state", "n_tokens", "n_global", "dtype", "req_generation", "generation", "notify",
-    "t_submit_ns", *REQUEST_ID, "noise_seed", "flags", "start_frame", "due_in_us")))  # fmt: skip
+    "t_submit_ns", *REQUEST_ID, "noise_seed", "flags", "start_frame", "due_in_us",
+    "audio_samples")))  # fmt: skip
 
 
 def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Requests, list[Failure]]:
@@ -230,7 +281,7 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
     # A private copy, as above, as one tuple of Python scalars: np.void.copy() costs ~9 us.
     v = seg.slots[slot].item()
     (state, n, n_global, dtype, req_generation, generation, notify, t_submit,
-     *ids, seed, flags, start, due_in) = _PICK(v)
+     *ids, seed, flags, start, due_in, audio) = _PICK(v)
     if state != READY:
         return _empty_requests(), []
     if (
@@ -239,15 +290,16 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
         or dtype > 1
         or req_generation != generation
         or (notify != NO_BELL and notify >= n_bells)
+        or (flags & FLAG_ENCODE and not _audio_fits(seg.layout, audio, n))
     ):
         row = dict(zip(SLOT_DT.names, v))
-        return _empty_requests(), [(slot, *_problem(row, seg.layout.max_tokens, n_bells, seg.codec.n_global))]
+        return _empty_requests(), [(slot, *_problem(row, seg.layout, n_bells))]
     submitted = min(max(t_submit, seen - TRUSTED_QUEUE_NS), seen)
     # Three arrays, one per dtype, and the fields as views of them: a numpy array from a list
     # costs ~1 us, a slice a fifth of that.
     i64 = np.array((slot, n, submitted, seen, seen + 1000 * min(due_in, MAX_DUE_IN_US)), np.int64)
     u64 = np.array((*ids, seed), np.uint64)
-    u32 = np.array((dtype, notify, flags, start), np.uint32)
+    u32 = np.array((dtype, notify, flags, start, audio), np.uint32)
     requests = Requests(
         slots=i64[0:1],
         lengths=i64[1:2],
@@ -260,6 +312,7 @@ def _check_one(seg: Segment, slot: int, seen: int, *, n_bells: int) -> tuple[Req
         flags=u32[2:3],
         start_frames=u32[3:4],
         due_ns=i64[4:5],
+        audio_samples=u32[4:5],
     )
     return requests, []
 
@@ -269,12 +322,30 @@ def _empty_requests() -> Requests:
                                         np.int64, np.int64)]  # fmt: skip
     empty[2] = np.zeros((0, 3), np.uint64)
     return Requests(*empty, np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint32),
-                    np.zeros(0, np.int64))  # fmt: skip
+                    np.zeros(0, np.int64), np.zeros(0, np.uint32))  # fmt: skip
 
 
-def _problem(row: np.void | dict, max_tokens: int, n_bells: int, n_global: int) -> tuple[int, str]:
+def _audio_fits(layout: Layout, samples: np.ndarray | int, n_tokens: np.ndarray | int) -> np.ndarray | bool:
+    """Whether an encode request's audio length is one this server takes: it encodes, the
+    audio is between its encoder's shortest and the slot's PCM area, and ``n_tokens`` is the
+    frames the audio spans (what the planner counts). Works on arrays (int64 arithmetic: a
+    garbage uint32 must not wrap) and on Python ints."""
+    if not layout.encodes:
+        return np.zeros(np.shape(samples), bool) if np.ndim(samples) else False
+    spf = layout.codec.samples_per_frame
+    a = np.asarray(samples).astype(np.int64) if np.ndim(samples) else int(samples)
+    n = np.asarray(n_tokens).astype(np.int64) if np.ndim(n_tokens) else int(n_tokens)
+    fits = (a >= layout.encode_min_samples) & (a <= layout.max_audio_samples) & (n == (a + spf - 1) // spf)
+    return fits if np.ndim(fits) else bool(fits)
+
+
+def _problem(row: np.void | dict, layout: Layout, n_bells: int) -> tuple[int, str]:
     """(Status, message) of the first thing wrong with one slot header (a copied record, or
     its fields by name)."""
+    max_tokens, n_global = layout.max_tokens, layout.codec.n_global
+    if int(row["flags"]) & FLAG_ENCODE and not layout.encodes:
+        return Status.NO_ENCODER, ("this server does not encode: it was started without "
+                                   "--encode (`bicodec-shm serve --encode`)")  # fmt: skip
     n = int(row["n_tokens"])
     if not 1 <= n <= max_tokens:
         return Status.BAD_LENGTH, f"semantic length {n} is outside 1..{max_tokens}"
@@ -287,6 +358,12 @@ def _problem(row: np.void | dict, max_tokens: int, n_bells: int, n_global: int) 
             f"request names slot generation {int(row['req_generation'])} but the slot is at "
             f"{int(row['generation'])} (it was reclaimed)"
         )
+    if int(row["flags"]) & FLAG_ENCODE and not _audio_fits(layout, int(row["audio_samples"]), n):
+        spf = layout.codec.samples_per_frame
+        return Status.BAD_AUDIO, (
+            f"audio of {int(row['audio_samples'])} samples spanning {n} frame(s) of {spf}: the "
+            f"encoder takes {layout.encode_min_samples}..{layout.max_audio_samples} samples"
+        )
     return Status.BAD_NOTIFY, f"bell index {int(row['notify'])} out of range"
 
 
@@ -298,6 +375,8 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
     ``semantic_vocab`` and ``global_vocab`` override the vocabularies of level 0 and of the
     global ids (default: the segment's codec).
     """
+    if req.flags is not None and int(req.flags[0]) & FLAG_ENCODE:  # a batch is of one kind
+        return _gather_audio(seg, req)
     codec = seg.codec
     vocabs = codec.level_vocab
     if semantic_vocab is not None:
@@ -343,13 +422,7 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
                 failures.append((int(req.slots[j]), Status.BAD_GLOBAL,
                                  f"global id {int(global_ids[j, pos])} at position {pos} is outside "
                                  f"0..{global_vocab - 1}"))  # fmt: skip
-    # Last, right before the state store: a slot its owner freed (and someone else may have
-    # claimed) since its request was confirmed is not that request's any more.
-    moved = _not_ready_at_epoch(seg, req)
-    if moved is not None:
-        failures += [(slot, Status.BAD_STATE, f"slot {slot} was freed by its client before it was batched")
-                     for slot in req.slots[moved].tolist()]  # fmt: skip
-        bad = moved if bad is None else bad | moved
+    bad = _leave_out_moved(seg, req, bad, failures)
     if failures:
         keep = ~bad
         if not keep.any():
@@ -358,12 +431,65 @@ def gather(seg: Segment, req: Requests, *, semantic_vocab: int | None = None,
         t = int(req.lengths.max())
         codes = [c[keep, : r * t] for c, r in zip(codes, codec.level_rates)]
         semantic, global_ids = codes[0], global_ids[keep]
+    now = _mark_busy(seg, req)
+    return Batch(req, semantic, global_ids, now, tuple(codes[1:])), failures
+
+
+def _gather_audio(seg: Segment, req: Requests) -> tuple[Batch | None, list[Failure]]:
+    """``gather`` for encode requests: a private (B, A) float32 copy of their audio, zero
+    past each row's ``audio_samples`` (checked against the slot's PCM area by check_headers);
+    a row with a sample that is not finite fails alone (BAD_AUDIO)."""
+    n = req.audio_samples.astype(np.int64)
+    a = int(n.max())
+    if len(req) == 1:
+        s = int(req.slots[0])
+        audio = seg.pcm32[s : s + 1, :a].copy()  # (1, A): a private copy
+    else:
+        audio = seg.pcm32[req.slots, :a]  # (B, A): a private copy (fancy indexing copies)
+        if int(n.min()) < a:
+            audio[np.arange(a) >= n[:, None]] = 0.0  # the padding is not the request's
+    failures: list[Failure] = []
+    bad = None
+    finite = np.isfinite(audio)
+    if not finite.all():  # the rare path: name the first bad sample of each bad row
+        bad = ~finite.all(axis=1)
+        for j in np.flatnonzero(bad).tolist():
+            pos = int(np.flatnonzero(~finite[j])[0])
+            message = f"audio sample {float(audio[j, pos])} at position {pos} is not finite"
+            failures.append((int(req.slots[j]), Status.BAD_AUDIO, message))
+    bad = _leave_out_moved(seg, req, bad, failures)
+    if failures:
+        keep = ~bad
+        if not keep.any():
+            return None, failures
+        req = req.take(keep)
+        audio = audio[keep, : int(req.audio_samples.max())]
+    now = _mark_busy(seg, req)
+    empty = np.zeros((len(req), 0), np.int64)  # no codes until the encoder makes them
+    return Batch(req, empty, empty, now, audio=audio), failures
+
+
+def _leave_out_moved(seg: Segment, req: Requests, bad: np.ndarray | None,
+                     failures: list[Failure]) -> np.ndarray | None:  # fmt: skip
+    """Last, right before the state store: a slot its owner freed (and someone else may have
+    claimed) since its request was confirmed is not that request's any more. Appends its
+    failure; returns ``bad`` (B,) with those rows added (None if no row is bad)."""
+    moved = _not_ready_at_epoch(seg, req)
+    if moved is not None:
+        failures += [(slot, Status.BAD_STATE, f"slot {slot} was freed by its client before it was batched")
+                     for slot in req.slots[moved].tolist()]  # fmt: skip
+        bad = moved if bad is None else bad | moved
+    return bad
+
+
+def _mark_busy(seg: Segment, req: Requests) -> int:
+    """Mark the gathered requests BUSY, with their start time (returned, monotonic ns)."""
     now = time.monotonic_ns()
     f = seg.field
     where = int(req.slots[0]) if len(req) == 1 else req.slots
     f["t_start_ns"][where] = now
     f["state"][where] = BUSY
-    return Batch(req, semantic, global_ids, now, tuple(codes[1:])), failures
+    return now
 
 
 def _not_ready_at_epoch(seg: Segment, req: Requests) -> np.ndarray | None:
@@ -426,13 +552,39 @@ def publish(seg: Segment, req: Requests, pcm16: np.ndarray | None, rows16: np.nd
         seg.pcm16[slots if len(rows16) == len(slots) else slots[rows16], : pcm16.shape[1]] = pcm16
     if len(rows32):
         seg.pcm32[slots if len(rows32) == len(slots) else slots[rows32], : pcm32.shape[1]] = pcm32
+    return _answer_rows(seg, req, seg.codec.decoded_samples(req.lengths))
+
+
+def publish_codes(seg: Segment, req: Requests, codes: list[np.ndarray], global_ids: np.ndarray,
+                  frames: np.ndarray) -> tuple[int, list[int]]:  # fmt: skip
+    """Write an encoded batch's codes and results into its slots (then ``ring`` them), as
+    ``publish`` writes audio: ``codes`` is every level's (B, r_i·T) integer codes, coarsest
+    first, ``global_ids`` (B, n_global) and ``frames`` (B,) each row's own frames (at most
+    the frames its audio spans, ``req.lengths``: never past its slot's codes row). Returns as
+    ``publish``."""
+    slots = req.slots
+    frames = np.minimum(np.asarray(frames, np.int64), req.lengths)
+    t = int(frames.max())
+    for level, (c, rate) in enumerate(zip(codes, seg.codec.level_rates)):
+        start = seg.layout.level_offset(level)
+        seg.tokens[slots, start : start + rate * t] = c[:, : rate * t]
+    if seg.codec.n_global:
+        seg.globals[slots] = global_ids
+    seg.field["result_frames"][slots] = frames
+    return _answer_rows(seg, req, 0)
+
+
+def _answer_rows(seg: Segment, req: Requests, n_samples: np.ndarray | int) -> tuple[int, list[int]]:
+    """The result fields of a batch whose payload is written, then DONE where each slot is
+    still the request's (``moved_on``); returns the time and the rows left unanswered."""
+    slots = req.slots
     now = time.monotonic_ns()
     f = seg.field
     f["status"][slots] = Status.OK
-    f["n_samples"][slots] = seg.codec.decoded_samples(req.lengths)
+    f["n_samples"][slots] = n_samples
     seg.result_id[slots] = req.ids  # each answer names its request
     f["t_done_ns"][slots] = now
-    # Order matters: audio and result fields above, then the check, then the state word; the
+    # Order matters: payload and result fields above, then the check, then the state word; the
     # posts (``ring``) come after the caller has counted the batch, so that an owner who reads
     # the counters right after its answer sees its request in them.
     moved = moved_on(seg, req)

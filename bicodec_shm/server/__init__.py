@@ -10,7 +10,8 @@ requests.
     dispatch_policy.py  plan the next batch now, or wait for the running batch's clients: measured
     counters.py     the live counters and histograms in the segment header
     reaping.py      reclaiming the slots of clients that are gone
-    adapters.py     the codec seam: a batch of requests -> the decoder's tensors and back
+    adapters.py     the codec seam: a batch of requests -> the decoder's (or encoder's) tensors and back
+    encoding.py     the encode direction: the encoder checked, one kind per plan, codes published
     metrics.py      the Prometheus endpoint over the segment's live counters
     metrics_http.py its HTTP side: one event-loop thread, request deadlines, bounded connections
     signals.py      SIGINT and SIGTERM as a graceful stop

@@ -20,6 +20,19 @@ A decoder names its adapter with a ``codec_adapter()`` method (``SNACDecoder`` d
 without it is taken as BiCodec (``detokenize(semantic, global_ids, lengths)``, as
 ``BiCodecDecoder`` and the tests' stand-ins have). A third codec is one more model module with
 its ``codec_adapter()``: nothing here or in the protocol changes.
+
+The encode direction has adapters of its own (``encode_adapter``), with::
+
+    layout: CodecLayout                        the token layout its codes follow (must be the
+                                               served codec's: the server checks it)
+    min_samples: int                           the fewest samples of audio it encodes
+    encode(batch) -> (codes, global_ids, frames)   an encode batch (``Batch.audio``, (B, A)
+                                               float32, ``Batch.audio_lengths``) -> every
+                                               level's (B, r_i·T) codes, (B, n_global) global
+                                               ids and (B,) frames, integer tensors
+
+An encoder names its adapter with an ``encode_adapter()`` method; one without it is taken as
+``BiCodecEncoder`` (``tokenize(wavs, lengths)``).
 """
 
 from __future__ import annotations
@@ -93,3 +106,25 @@ def codec_adapter(decoder: Any) -> CodecAdapter:
     """The adapter of ``decoder``'s codec: its own ``codec_adapter()``, else BiCodec's."""
     make = getattr(decoder, "codec_adapter", None)
     return make() if callable(make) else BiCodecAdapter(decoder)
+
+
+class BiCodecEncodeAdapter:
+    """BiCodec's encoder (``BiCodecEncoder.tokenize``): one level, the semantic ids at 50 per
+    second, plus 32 global ids per row."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        codec = encoder.config.codec
+        self.layout = replace(BICODEC, level_vocab=(int(codec.semantic_vocab),),
+                              global_vocab=int(codec.global_vocab))  # fmt: skip
+        self.min_samples = int(encoder.features.min_samples())
+
+    def encode(self, batch: Batch) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        tokens = self.encoder.tokenize(torch.from_numpy(batch.audio), torch.from_numpy(batch.audio_lengths))
+        return [tokens.semantic_ids], tokens.global_ids, tokens.lengths
+
+
+def encode_adapter(encoder: Any) -> BiCodecEncodeAdapter:
+    """The encode adapter of ``encoder``: its own ``encode_adapter()``, else BiCodec's."""
+    make = getattr(encoder, "encode_adapter", None)
+    return make() if callable(make) else BiCodecEncodeAdapter(encoder)

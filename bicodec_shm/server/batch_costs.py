@@ -180,8 +180,14 @@ class _Samples:
     mode: str | None = None
 
 
+def _kind(key: Hashable) -> str:
+    """Which model a cost key's batches ran: "encode" for ``("encode", threads)``, else "decode"."""
+    return key[0] if isinstance(key, tuple) else "decode"
+
+
 class BatchCosts:
-    """The online fits, one per key (the lane thread count; None for a device), and each
+    """The online fits, one per key (the lane thread count; None for a device; a server that
+    encodes keys its encode batches ``("encode", threads)``: another model), and each
     verdict's log. ``add`` is called from any lane's thread, the rest from the dispatcher.
 
     Args:
@@ -201,7 +207,8 @@ class BatchCosts:
         self.history: list[BatchingChoice] = []
         self._lock = threading.Lock()
         self._by_key: dict[Hashable, _Samples] = {}
-        self._latest: CostFit | None = None  # the last fit of any key: a prior for a new key
+        # The last fit of any key of a kind (decode, encode): a prior for a new key of that kind.
+        self._latest: dict[str, CostFit] = {}
 
     def add(self, key: Hashable, rows: int, longest: int, tokens: int, ns: int) -> None:
         """One decoded batch: ``rows`` rows padded to ``longest`` (``tokens`` valid) in ``ns``."""
@@ -224,16 +231,16 @@ class BatchCosts:
             fit = fit_costs(r, lng, t)
             if fit is None:
                 return
-            s.fit = self._latest = fit
+            s.fit = self._latest[_kind(key)] = fit
             s.fitted_at = self._clock()
             typical = max(1, int(round(float(np.median(tok / r)))))
             self._judge(key, s, fit, typical)
 
     def fit(self, key: Hashable) -> CostFit | None:
-        """The key's own fit, else the latest of any key (the decoder is the same; its thread
-        count changes the scale more than which batches pay), else None."""
+        """The key's own fit, else the latest of any key of its kind (the model is the same;
+        its thread count changes the scale more than which batches pay), else None."""
         s = self._by_key.get(key)
-        return s.fit if s is not None and s.fit is not None else self._latest
+        return s.fit if s is not None and s.fit is not None else self._latest.get(_kind(key))
 
     def own_fit(self, key: Hashable) -> CostFit | None:
         s = self._by_key.get(key)
@@ -269,7 +276,9 @@ class BatchCosts:
         pair = fit.batch_ns(2, length) / (2 * fit.lone_ns(length))
         what = {"off": "decode rows alone", "near-equal": "batch only near-equal lengths",
                 "on": "batch every row that fits"}[mode]  # fmt: skip
-        where = "the device" if key is None else f"{key} thread(s) a lane"
+        kind, threads = key if isinstance(key, tuple) else ("", key)  # ("encode", threads)
+        where = ("the device" if threads is None else f"{threads} thread(s) a lane") + (
+            f" ({kind})" if kind else "")  # fmt: skip
         reason = (f"at {length} tokens two rows together cost {pair:.2f}x apart"
                   + (f", and a row may be padded by up to {padding} tokens" if padding >= 0 else "")
                   + f"; {fit.describe()}")  # fmt: skip

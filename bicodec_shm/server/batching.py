@@ -116,3 +116,21 @@ def plan_batch(
         longest, shortest = new_longest, new_shortest
     picked = np.asarray(chosen, np.int64)
     return picked[np.argsort(-lengths[picked], kind="stable")]
+
+
+def check_options(*, max_batch: int, max_wait_ms: float, rejoin_ms: float, max_batch_tokens: int | None,
+                  min_fill: float, lanes: int | None) -> None:  # fmt: skip
+    """The bounds of the server's batching options (``DecoderServer``'s arguments): a
+    ``ValueError`` naming the first one out of range."""
+    checks = [
+        (max_batch >= 1, f"max_batch must be >= 1, got {max_batch}"),
+        (max_wait_ms >= 0, f"max_wait_ms must be >= 0, got {max_wait_ms}"),
+        (rejoin_ms >= 0, f"rejoin_ms must be >= 0, got {rejoin_ms}"),
+        (max_batch_tokens is None or max_batch_tokens >= 1,
+         f"max_batch_tokens must be >= 1 or None, got {max_batch_tokens}"),
+        (0.0 <= min_fill <= 1.0, f"min_fill must be in [0, 1], got {min_fill}"),
+        (lanes is None or 1 <= lanes <= 64, f"lanes must be in 1..64, got {lanes}"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

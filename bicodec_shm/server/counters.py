@@ -74,7 +74,7 @@ class Counters:
         """Add one published batch: requests, tokens, padding, queue and latency times, the
         batch's decode time, and the batch-size histogram."""
         req = batch.requests
-        rows, longest = len(req), int(batch.semantic.shape[1])
+        rows, longest = len(req), batch.frames
         elapsed_ns = max(0, int(elapsed_ns))
         if rows == 1:  # Python scalars: the common case at low load
             submitted = int(req.submitted_ns[0])

@@ -91,7 +91,7 @@ class LaneControl:
             return None
         req = batch.requests
         sample = self._meter.end(id(batch), planned_ns=batch.started_ns, tokens=int(req.lengths.sum()),
-                                 rows=len(req), padded_tokens=len(req) * int(batch.semantic.shape[1]),
+                                 rows=len(req), padded_tokens=len(req) * batch.frames,
                                  queued=batch.queued)  # fmt: skip
         # Only a batch decoded with the thread count of the arrangement being measured (right
         # after a switch, a lane being parked may still finish one with its old count), once

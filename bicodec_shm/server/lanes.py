@@ -24,6 +24,10 @@ runs it through the decoder, converts the audio to each row's output dtype *on t
   third set of buffers of their own (pinned on CUDA): a pipelined batch whose audio is not yet
   published keeps its buffers whatever fails around it.
 
+- **Encode batches** (audio in, codes back; a server started with an encoder) run through
+  the encoder synchronously, on any lane, and come back as ``Encoded`` codes instead of audio;
+  the rest (split-and-retry, publishing, releasing) is the decode's own.
+
 Every buffer a launch writes is its batch's until the batch is published: the inputs are the
 batch's own copies (slot_io.gather), the decoder's output is that launch's own (adapters.py),
 and the staging and conversion buffers come in the sets above.
@@ -93,6 +97,20 @@ class _InFlight:
         return self.decoded
 
 
+@dataclass
+class Encoded:
+    """An encode batch's codes on the host, ready to publish (``slot_io.publish_codes``):
+    ``codes`` every level's (B, r_i·T) int32 codes, coarsest first; ``global_ids`` (B,
+    n_global) int32; ``frames`` (B,) int64 each row's own frames. ``device_ns`` and
+    ``launch_ns`` as ``Decoded``'s."""
+
+    codes: list[np.ndarray]
+    global_ids: np.ndarray
+    frames: np.ndarray
+    device_ns: int | None = None
+    launch_ns: int | None = None
+
+
 def _device_ns(event: Any, started: Any) -> int | None:
     """A completed batch's own time on its device: between two CUDA timing events, or what an
     asynchronous decoder's event says (``device_seconds``; the stand-in's); None if neither."""
@@ -116,10 +134,12 @@ class Runner:
             -> float (B, >= decoded_samples(T)) on its device. Given host tensors: it moves them itself.
             A decoder of another codec provides ``codec_adapter()`` (adapters.py).
         device: where the decoder's output lives.
+        encoder: the encode adapter (adapters.encode_adapter) of a server that encodes, or None.
     """
 
-    def __init__(self, decoder: Any, device: torch.device) -> None:
+    def __init__(self, decoder: Any, device: torch.device, encoder: Any = None) -> None:
         self.decoder = decoder
+        self.encoder = encoder
         self.adapter = codec_adapter(decoder)  # how this codec's decoder takes a batch
         self._samples = self.adapter.layout.decoded_samples  # frames -> the decoder's length
         if device.type == "cuda" and device.index is None:  # "cuda": the current GPU, named
@@ -146,6 +166,8 @@ class Runner:
         the launch after next, so batch k-1 may be published after batch k is launched.
         """
         t0 = time.perf_counter_ns()
+        if batch.audio is not None:
+            return self._encode(batch, t0)
         b, t = batch.semantic.shape
         n = self._samples(t)
         event = started = None
@@ -203,6 +225,23 @@ class Runner:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return _InFlight(batch, Decoded(host16, rows16, host32, rows32), t0, event, started=started)
+
+    def _encode(self, batch: Batch, t0: int) -> _InFlight:
+        """Run an encode batch to the end (synchronously, on any device): its codes on the host."""
+        if self.encoder is None:  # never planned: check_headers answers NO_ENCODER first
+            raise RuntimeError("an encode batch reached a server without an encoder")
+        take_warmup_ns()
+        codes, global_ids, frames = self.encoder.encode(batch)
+        batch.warmup_ns = take_warmup_ns()
+        b = len(batch.requests)
+        if global_ids.shape[0] != b or frames.shape != (b,) or any(c.shape[0] != b for c in codes):
+            shapes = f"global ids {tuple(global_ids.shape)}, frames {tuple(frames.shape)}"
+            raise RuntimeError(f"encoder returned {len(codes)} level(s), {shapes} for {b} rows")
+        encoded = Encoded([c.to(torch.int32).cpu().numpy() for c in codes],
+                          global_ids.to(torch.int32).cpu().numpy(),
+                          frames.to(torch.int64).cpu().numpy())  # fmt: skip
+        encoded.device_ns = time.perf_counter_ns() - t0  # the encode and its copy back
+        return _InFlight(batch, encoded, t0)
 
     def _to_int16(self, audio: np.ndarray, buffers: dict[type, np.ndarray]) -> np.ndarray:
         """The int16 conversion of ``audio`` (B, N) float32 into ``buffers`` (one launch's

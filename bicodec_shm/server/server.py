@@ -23,6 +23,9 @@ Lifecycle: the constructor owns the name (protocol/locks.py: locks, not pids) an
 ``serve_forever`` runs until ``stop()``, SIGINT or SIGTERM; then every lane finishes the batch it
 holds, the server stops serving (clients resubmit what is left, as after a crash: a rolling
 restart loses nothing), unlinks everything and releases the name.
+
+Encode requests (a server given an ``encoder``) take the same path as decodes (encoding.py); a
+plan takes rows of one kind, with batch costs of their own (``_cost_key``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from ..protocol.layout import (
 from ..protocol.names import validate_name
 from ..protocol.posts import drain, post, take_post
 from ..protocol.segment import Segment
-from ..protocol.slot_io import Batch, Requests, check_headers, gather, publish, publish_failure, ring
+from ..protocol.slot_io import Batch, Requests, check_headers, gather, publish_failure, ring
 from .adapters import Detokenizer, codec_adapter, device_of
 from .batch_costs import BATCHING_MODES, BatchPlanner
 from .batching import (
@@ -62,10 +65,12 @@ from .batching import (
     DEFAULT_MAX_WAIT_MS,
     DEFAULT_MIN_FILL,
     DEFAULT_REJOIN_MS,
+    check_options,
     default_max_batch_tokens,
 )
 from .counters import Counters
 from .dispatch_policy import DispatchPolicy
+from .encoding import encoder_for, one_kind, publish_result
 from .lane_control import LaneControl
 from .lane_tuner import LaneTuning
 from .lanes import STOP, WAIT, Decoded, Lane, Runner, lane_threads
@@ -116,6 +121,8 @@ class DecoderServer:
         reserved: the name's lock descriptor from ``protocol.names.reserve_name``, taken before
             the model loaded; the segment is created on it (and it is released if creating
             the segment fails).
+        encoder: an encoder of the served codec (``BiCodecEncoder``) to answer encode requests
+            (``DecoderClient.encode``) too; None: the server says in its header that it does not.
     """
 
     # Class-level defaults keep close() safe after a failed __init__.
@@ -146,22 +153,13 @@ class DecoderServer:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         reserved: int | None = None,
+        encoder: Any = None,
     ) -> None:
         validate_name(name)
         if max_batch_tokens == "auto":
             max_batch_tokens = default_max_batch_tokens(device_of(decoder).type)
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
-        if rejoin_ms < 0:
-            raise ValueError(f"rejoin_ms must be >= 0, got {rejoin_ms}")
-        if max_batch_tokens is not None and max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1 or None, got {max_batch_tokens}")
-        if not 0.0 <= min_fill <= 1.0:
-            raise ValueError(f"min_fill must be in [0, 1], got {min_fill}")
-        if lanes is not None and not 1 <= lanes <= 64:
-            raise ValueError(f"lanes must be in 1..64, got {lanes}")
+        check_options(max_batch=max_batch, max_wait_ms=max_wait_ms, rejoin_ms=rejoin_ms,
+                      max_batch_tokens=max_batch_tokens, min_fill=min_fill, lanes=lanes)  # fmt: skip
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
         self.decoder = decoder
@@ -189,6 +187,7 @@ class DecoderServer:
                                      prior_batches=device_like, latency_bound=not device_like)  # fmt: skip
         self._policy = DispatchPolicy(dispatch, rejoin_ms=rejoin_ms, pipelined=self._pipeline)
         self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
+        self._encoder = encoder_for(encoder, self.codec)  # its adapter, None without one
         self.semantic_vocab = self.codec.level_vocab[0]
         self.global_vocab = self.codec.global_vocab
         self._pid = os.getpid()
@@ -225,6 +224,7 @@ class DecoderServer:
             lanes=self.lanes,
             wait=start_wait,
             reserved=reserved,
+            encode_min_samples=0 if self._encoder is None else self._encoder.min_samples,
         )
         self.n_bells = slots
         try:  # from here on, a failure (or a Ctrl-C's KeyboardInterrupt) unlinks what was made
@@ -236,12 +236,13 @@ class DecoderServer:
             log.info(
                 "serving %r (%s): %d slots, max_tokens=%d, max_batch=%d, max_wait_ms=%g, rejoin_ms=%g, "
                 "max_batch_tokens=%s, min_fill=%g, batching=%s, dispatch=%s, device=%s, lanes=%d%s "
-                "(threads each: %s), mode=%o, segment %.1f MiB",
+                "(threads each: %s), mode=%o, segment %.1f MiB, encodes: %s",
                 name, self.codec.name, slots, max_tokens, max_batch, max_wait_ms, rejoin_ms,
                 max_batch_tokens, min_fill, batching, dispatch, self.device, self.lanes,
                 f" to start, measuring {self._lanes.tuner.candidates}" if self._lanes.tuner else "",
-                self.threads_per_lane, mode,
-                self._segment.layout.total_size / 2**20,
+                self.threads_per_lane, mode, self._segment.layout.total_size / 2**20,
+                f"audio of {self._encoder.min_samples}..{self._segment.layout.max_audio_samples} samples"
+                if self._encoder else "no (no --encode)",
             )  # fmt: skip
         except BaseException:
             self._teardown()
@@ -288,7 +289,7 @@ class DecoderServer:
         self._serving.set()
         restore = on_stop_signals(self._on_stop_signal)
         lanes = [
-            Lane(i, Runner(self.decoder, self.device), take=self._take, publish=self._publish,
+            Lane(i, Runner(self.decoder, self.device, self._encoder), take=self._take, publish=self._publish,
                  fail=self._fail_row,
                  started=self._lane_started, finished=self._lane_finished,
                  threads=self.threads_per_lane, pipeline=self._pipeline,
@@ -433,8 +434,9 @@ class DecoderServer:
             if not waiting:  # every one left while we waited (reaped, say): look again
                 continue
             t0 = time.perf_counter_ns()
-            ready = self._ready_requests()
-            key = self._cost_key()
+            everything = self._ready_requests()  # a batch runs one kind (only an encoder's server has two)
+            ready, encode = one_kind(everything) if self._encoder is not None else (everything, False)
+            key = self._cost_key(encode)
             if running is not None and self._wants_wait(ready, running.lengths.tolist(), key):
                 self._rejoin.told_to_wait()
                 return WAIT
@@ -454,13 +456,15 @@ class DecoderServer:
                 self._answer_failure(slot, status, message, req)
             self._policy.host_step("plan", time.perf_counter_ns() - t0)
             if batch is not None:
-                batch.queued = len(ready)  # its rows and those left for later
+                batch.queued = len(everything)  # its rows and those left for later
                 return batch
         return None
 
-    def _cost_key(self) -> int | None:
-        """Whose batch costs apply: the device's (None), or the calling CPU lane's thread count."""
-        return None if self._pipeline else lane_threads()
+    def _cost_key(self, encode: bool = False) -> Any:
+        """Whose batch costs apply: the device's (None), or the calling CPU lane's thread count;
+        for an encode batch, ``("encode", that)``: the encoder's costs are its own."""
+        key = None if self._pipeline else lane_threads()
+        return ("encode", key) if encode else key
 
     def _share(self, waiting: int) -> int | None:
         """A CPU lane's share of what waits, so that free lanes run in parallel (None: all)."""
@@ -572,7 +576,7 @@ class DecoderServer:
         req = batch.requests
         t0 = time.perf_counter_ns()
         try:
-            done_ns, moved = publish(seg, req, decoded.pcm16, decoded.rows16, decoded.pcm32, decoded.rows32)
+            done_ns, moved = publish_result(seg, req, decoded)  # audio, or an encode's codes
         except Exception as exc:
             log.exception("publishing a batch of %d failed; answering each row with an error", len(req))
             for row in range(len(req)):
@@ -580,7 +584,7 @@ class DecoderServer:
                 self._answer_failure(int(req.slots[row]), Status.DECODE_FAILED, message, req.take([row]))
             return
         try:
-            self._count_batch(batch, done_ns, elapsed_ns)
+            self._counters.count_batch(seg, batch, done_ns, elapsed_ns)
             if moved:
                 self._counters.count_dropped(seg, len(moved))
         except Exception:
@@ -602,13 +606,10 @@ class DecoderServer:
         """Feed the batch cost fit (batch_costs.py) and the host's launch time (dispatch_policy.py)."""
         req = batch.requests
         if decoded.device_ns and not batch.warmup_ns:  # a batch that traced a graph paid a one-off
-            self._planner.costs.add(self._cost_key(), len(req), int(batch.semantic.shape[1]),
+            self._planner.costs.add(self._cost_key(batch.audio is not None), len(req), batch.frames,
                                     int(req.lengths.sum()), decoded.device_ns)  # fmt: skip
         if decoded.launch_ns is not None:
             self._policy.host_step("launch", decoded.launch_ns)
-
-    def _count_batch(self, batch: Batch, done_ns: int, elapsed_ns: int) -> None:
-        self._counters.count_batch(self.segment, batch, done_ns, elapsed_ns)
 
     def _release_and_ring(self, slots: list[int], bells: list[int], moved: list[int] = ()) -> None:
         """The last step of answering: the slots leave the held set, then their posts go out.
@@ -715,4 +716,5 @@ class DecoderServer:
         log.info("received %s: finishing the running batches, then stopping (send it again to "
                  "stop at once)", signal.Signals(signum).name)  # fmt: skip
         self.stop()
+
 

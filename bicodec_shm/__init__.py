@@ -16,6 +16,7 @@ from .errors import (
     DecodeError,
     DecodeTimeoutError,
     MissingExtraError,
+    NoEncoderError,
     SegmentError,
     ServerAlreadyRunningError,
     ServerUnavailableError,
@@ -39,6 +40,7 @@ _EAGER = {
     "BiCodecBatchDecoder": ".integrations.batch_decoder",
     "DecodeStream": ".client.streaming",
     "DecoderClient": ".client.decoder_client",
+    "EncodedAudio": ".codecs.audio",
     "StreamSettings": ".client.streaming",
 }
 
@@ -65,7 +67,9 @@ __all__ = [
     "DecodeTimeoutError",
     "DecoderClient",
     "DecoderServer",
+    "EncodedAudio",
     "MissingExtraError",
+    "NoEncoderError",
     "SegmentError",
     "ServerAlreadyRunningError",
     "ServerUnavailableError",

@@ -8,6 +8,7 @@
     │   └── StreamFinishedError         push()/finish() on a stream that already finished
     └── BiCodecShmError                 base of everything the shared decoder raises
         ├── DecodeError                 the server could not decode this one request
+        │   └── NoEncoderError          an encode request to a server started without --encode
         ├── ServerUnavailableError      no live server behind the name (none yet, or it died)
         │   └── DecodeTimeoutError      the request's deadline passed (also a TimeoutError)
         ├── ClientClosedError           the handle was closed before or while the call ran
@@ -57,6 +58,11 @@ class ServerUnavailableError(BiCodecShmError):
 
 class DecodeTimeoutError(ServerUnavailableError, TimeoutError):
     """The request's timeout expired before its audio arrived (the server may be overloaded)."""
+
+
+class NoEncoderError(DecodeError):
+    """The server under this name decodes only: it was started without an encoder
+    (``bicodec-shm serve --encode``, or ``DecoderServer(..., encoder=...)``)."""
 
 
 class ClientClosedError(BiCodecShmError):

@@ -24,6 +24,10 @@ levels (SNAC's 3 or 4, DAC's codebooks), ``decode_orpheus`` Orpheus's audio toke
 24 kHz), ``decode_dia`` Dia's delayed audio tokens (DAC 44 kHz). Each is
 checked against the layout of the server that will decode it, and a request for another codec
 is refused with a ``ValueError`` naming both.
+
+``encode`` runs the other way (a server started with ``--encode``): a clip in, its codes back
+(BiCodec: semantic and global ids, for voice cloning), through the same slots and the same
+restart, deadline and clean-up rules as a decode.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs.audio import EncodedAudio, as_audio, check_sample_rate
 from ..codecs.dia import dia_to_codes
 from ..codecs.layout import (
     ANY_SLOT_LIMIT,
@@ -245,6 +250,38 @@ class DecoderClient:
                                       "dac-44khz")  # fmt: skip
         return await self._decode_async(request, timeout)
 
+    def encode(self, audio: Any, *, sample_rate: int | None = None, timeout: float | None = None,
+               due_in: float = 0.0) -> EncodedAudio:  # fmt: skip
+        """Encode one clip into the served codec's codes (a voice-cloning reference clip);
+        blocks the calling thread. Needs a server started with ``--encode``.
+
+        Args:
+            audio: (N,) mono samples at the codec's sample rate (BiCodec: 16 kHz): float32 or
+                float64 in [-1, 1], or int16 (read as ``x / 32768``). It crosses shared memory
+                as float32: the codes are those of the float32 clip.
+            sample_rate: the clip's rate in Hz, if the caller knows it: any rate but the
+                codec's is a ``ValueError`` naming both. Nothing resamples here (not built
+                yet): resample first (soxr, torchaudio, librosa).
+            timeout: seconds for this call (default: the handle's).
+            due_in: seconds until the codes are due, as for ``decode``.
+        Returns:
+            ``EncodedAudio``: for BiCodec ``semantic_ids`` (T,) int32 at 50 per second and
+            ``global_ids`` (32,) int32, exactly what ``BiCodecEncoder.tokenize`` gives the clip
+            alone; in general ``codes``, one array per code level, and ``global_ids`` or None.
+        Raises:
+            ValueError: before anything is written: audio that is not a 1-D float or int16
+                array, empty, with a NaN or infinite sample, shorter than the encoder takes or
+                longer than a slot holds (``max_tokens · samples_per_frame`` samples), or at
+                another sample rate.
+            NoEncoderError: the server was started without ``--encode``.
+        """
+        return self._decode(self._prepare_audio(audio, sample_rate, due_in), timeout)
+
+    async def encode_async(self, audio: Any, *, sample_rate: int | None = None,
+                           timeout: float | None = None, due_in: float = 0.0) -> EncodedAudio:  # fmt: skip
+        """``encode`` for asyncio: never blocks the event loop, starts no thread per call."""
+        return await self._decode_async(self._prepare_audio(audio, sample_rate, due_in), timeout)
+
     @property
     def codec(self) -> CodecLayout:
         """The token layout of the codec the server last attached serves."""
@@ -445,6 +482,15 @@ class DecoderClient:
             check_codec(kind, codec, self._codec, self.name)
             raise
         return request
+
+    def _prepare_audio(self, audio: Any, sample_rate: int | None, due_in: float) -> Request:
+        """Validate a clip to encode (``fit`` checks it again against the server that takes it:
+        its encoder, its sample rate, its slots)."""
+        if self._closed:
+            raise self._closed_error()
+        check_sample_rate(sample_rate, self._codec, self.name)
+        return Request("encode", None, [], None, output_dtype_code("float32"), due_at_ns=due_time(due_in),
+                       audio=as_audio(audio), sample_rate=sample_rate)  # fmt: skip
 
     def _deadline(self, timeout: float | None) -> float:
         timeout = self.timeout if timeout is None else timeout

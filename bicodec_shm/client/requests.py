@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..codecs.audio import check_audio_length, check_sample_rate
 from ..codecs.layout import DEFAULT_NOISE_SEED, LAYOUTS, CodecLayout, check_request
 from ..codecs.validation import SLOT_LIMIT, as_token_array
+from ..errors import NoEncoderError
 from ..protocol.attachment import Attachment
 from ..protocol.layout import MAX_DUE_IN_US, N_GLOBAL
 
@@ -36,7 +38,7 @@ def due_time(due_in: float) -> int:
 class Request:
     """A validated request: what ``Attachment.submit`` writes."""
 
-    kind: str  # "bicodec" (decode), "orpheus" (snac-24khz codes) or "codes" (decode_codes)
+    kind: str  # "bicodec" (decode), "orpheus" (snac-24khz codes), "codes" (decode_codes), "encode"
     codec: str | None  # the codec the caller named (decode_codes(codec=...)), else None
     levels: list[np.ndarray]  # (T·r_i,) int32 per level; BiCodec: [semantic]
     global_ids: np.ndarray | None  # (n_global,) int32, or None for a codec without them
@@ -46,6 +48,8 @@ class Request:
     start_frame: int = 0  # SNAC: where a streaming window starts in its utterance
     due_at_ns: int = 0  # CLOCK_MONOTONIC time its audio is due (``due_time``); 0: due when sent
     checked: CodecLayout | None = None  # the layout it was last checked against
+    audio: np.ndarray | None = None  # an encode's clip, (N,) float32 (``codecs.audio.as_audio``)
+    sample_rate: int | None = None  # the rate the caller said its clip has (None: the codec's)
 
 
 def fit(att: Attachment, request: Request) -> None:
@@ -53,6 +57,13 @@ def fit(att: Attachment, request: Request) -> None:
     anything is written (a restarted server may have a smaller --max-tokens, or serve another
     codec). Raises ``Gone`` rather than refuse it for a server that no longer serves: its
     successor, with limits of its own, decides."""
+    if request.audio is not None:
+        try:
+            _fit_audio(att, request)
+        except ValueError:
+            att.check_alive()  # as below
+            raise
+        return
     # The common case costs one comparison: checked against this very layout already (the
     # layout holds every vocabulary), and short enough for this server's slots.
     if request.checked == att.codec and request.levels[0].shape[0] <= att.max_tokens:
@@ -62,6 +73,22 @@ def fit(att: Attachment, request: Request) -> None:
     except ValueError:
         att.check_alive()  # raises Gone (and retires the attachment) if its server went away
         raise
+
+
+def _fit_audio(att: Attachment, request: Request) -> None:
+    """An encode request against the server that will take it: one that encodes, at its
+    codec's rate, a clip its encoder and its slots take."""
+    if not att.encode_min_samples:
+        att.check_alive()  # a server gone is not refusing: its successor may encode
+        raise NoEncoderError(
+            f"{att.name!r} does not encode: its server was started without --encode (start it with "
+            f"`bicodec-shm serve --encode`, or DecoderServer(..., encoder=...)); it serves {att.codec.name} "
+            "decodes only"
+        )
+    check_sample_rate(request.sample_rate, att.codec, att.name)
+    check_audio_length(request.audio.shape[0], min_samples=att.encode_min_samples,
+                       max_samples=att.max_audio_samples, sample_rate=att.codec.sample_rate,
+                       name=att.name)  # fmt: skip
 
 
 def _fit_slow(att: Attachment, request: Request) -> None:
@@ -90,7 +117,8 @@ def _fit_bicodec(att: Attachment, semantic: np.ndarray,
 def submit(att: Attachment, slot: int, seq: int, request: Request, bell: int) -> None:
     att.submit(slot, seq, request.levels, request.global_ids, request.dtype, bell,
                noise_seed=request.noise_seed, flags=request.flags,
-               start_frame=request.start_frame, due_at_ns=request.due_at_ns)  # fmt: skip
+               start_frame=request.start_frame, due_at_ns=request.due_at_ns,
+               audio=request.audio)  # fmt: skip
 
 
 def check_codec(kind: str, codec: str | None, served: CodecLayout, name: str) -> None:

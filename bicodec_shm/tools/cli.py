@@ -49,7 +49,7 @@ from ..server.batching import (
 from ..server.dispatch_policy import DISPATCH_MODES
 from ..server.signals import StartupSignals, sigint_ignored
 from .decode_cmd import _cmd_decode
-from .model_args import CODECS, add_model_args, load_decoder, resolve_preset
+from .model_args import CODECS, add_model_args, load_decoder, load_encoder, resolve_preset
 from .stats_cmd import _cmd_stats, marked_stopping, pid_clause
 
 DEFAULT_NAME = "bicodec-shm"
@@ -160,6 +160,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics endpoint binds to (default: 127.0.0.1, this host only; "
                         "0.0.0.0 exposes it to the network: every IPv4 interface)")  # fmt: skip
+    s.add_argument("--encode", action="store_true",
+                   help="also encode: clients send audio and get its codes back (DecoderClient.encode; "
+                        "BiCodec: the encoder of --model-dir's Spark-TTS folder, with its "
+                        "wav2vec2-large-xlsr-53/; default: off, no encoder is loaded)")  # fmt: skip
     s.set_defaults(func=_cmd_serve, max_tokens=None)  # None: 30 s of the codec's audio
 
     st = sub.add_parser("stats", help="print a server's live counters; exits 0 only while it serves",
@@ -300,6 +304,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     group = "," in args.device
     (validate_group_name if group else validate_name)(args.name)
     resolve_preset(args.codec, args.preset)
+    if args.encode and args.codec != "bicodec":
+        raise ValueError(f"--encode serves BiCodec's encoder only; {args.codec} has none here yet")
     if args.max_tokens is None:
         args.max_tokens = default_max_frames(args.codec)
     codec = get_layout(args.codec)
@@ -350,6 +356,7 @@ def _serve_one(args: argparse.Namespace) -> int:
             from ..server.server import DecoderServer
 
             decoder = load_decoder(args)
+            encoder = load_encoder(args) if args.encode else None  # no --encode: nothing loaded
         except BaseException:
             release_name(reserved, args.name)
             raise
@@ -371,6 +378,7 @@ def _serve_one(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             mode=args.mode,
             reserved=reserved,
+            encoder=encoder,
         )
         startup.hand_to(server)
         how = ("SIGINT is ignored here, as in a background job: stop it with SIGTERM"

@@ -96,6 +96,23 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     return decoder
 
 
+def load_encoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCodecEncoder
+    """The encoder ``serve --encode`` asks for (imports torch and transformers; a server without
+    ``--encode`` never calls this): BiCodec's, from ``--model-dir`` (a Spark-TTS folder with
+    ``BiCodec/`` and ``wav2vec2-large-xlsr-53/``), else random weights of ``--preset``."""
+    from ..model.bicodec.tokenizer import BiCodecEncoder
+    from ..model.devices import resolve_device
+
+    device = resolve_device(args.device)
+    if args.model_dir:
+        return BiCodecEncoder.from_pretrained(args.model_dir, device=device)
+    preset = resolve_preset("bicodec", args.preset)
+    if announce:
+        print(f"bicodec-shm: encoding with the {preset} encoder's RANDOM weights (seed {args.seed}): "
+              "the codes mean nothing", file=sys.stderr)  # fmt: skip
+    return BiCodecEncoder.from_config(preset, seed=args.seed).to(device)
+
+
 def wrong_codec(model_dir: str, found: str, codec: str) -> str:
     """The message for a ``--model-dir`` of codec ``found`` served as ``codec``."""
     fix = "leave --codec out (bicodec is the default)" if found == "bicodec" else f"pass --codec {found}"

@@ -64,6 +64,34 @@ def seed_int16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 1.0) * 32767).astype(np.int16)
 
 
+def encode_clip(seed: int, i: int) -> np.ndarray:
+    """Clip ``i`` of ``seed`` for the encode tests: (N,) float32 noise in [-1, 1] at 16 kHz,
+    0.4 to 1 s long (20 to 50 semantic frames); torch-free, for client processes too."""
+    rng = np.random.default_rng([seed, i])
+    n = int(rng.integers(6400, 16000))
+    return np.clip(rng.standard_normal(n) * 0.2, -1, 1).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_encoder(seed: int = 0):
+    """The random tiny encoder the test servers build (``serve --encode --preset tiny --seed 0``)."""
+    import torch
+
+    from bicodec_shm.model.bicodec.tokenizer import BiCodecEncoder
+
+    torch.set_num_threads(1)
+    return BiCodecEncoder.from_config("tiny", seed=seed)
+
+
+def assert_lone_encode(result, clip: np.ndarray) -> None:
+    """``result`` (an ``EncodedAudio``, or (semantic, global) arrays) is exactly what the
+    reference encoder gives ``clip`` alone."""
+    semantic, global_ids = (result.semantic_ids, result.global_ids) if hasattr(result, "codes") else result
+    lone = reference_encoder().tokenize(clip[None])
+    np.testing.assert_array_equal(semantic, lone.semantic_ids[0].numpy())
+    np.testing.assert_array_equal(global_ids, lone.global_ids[0].numpy())
+
+
 def random_request(rng: np.random.Generator, min_len: int = 5, max_len: int = 60):
     n = int(rng.integers(min_len, max_len + 1))
     return rng.integers(0, 8192, n), rng.integers(0, 4096, 32)
@@ -542,7 +570,7 @@ def plant_ready(seg, slot: int, **fields) -> None:
 
     seg.tokens[slot, :2] = 5
     seg.request_id[slot] = (7, int(seg.slots["generation"][slot]), 1)
-    header = dict(n_tokens=2, n_global=32, dtype=0, notify=NO_BELL, **fields)
+    header = {**dict(n_tokens=2, n_global=32, dtype=0, notify=NO_BELL), **fields}
     for field, value in {**header, "state": READY}.items():  # the state word last
         seg.slots[field][slot] = value
 

@@ -20,6 +20,12 @@ checks these invariants in every reachable state:
 
 ``Rules`` selects the protocol: ``Rules()`` is today's code; the other switches re-introduce
 earlier rules, so that tests can show the checker finds the bugs they caused.
+
+An encode request (audio in, codes back: ``FLAG_ENCODE``, protocol/layout.py) is payload only:
+it takes exactly a decode's steps (claim, submit, wait, take the answer or give up, reap), with
+the same identity, states, posts and locks; only what the payload holds differs (audio in the
+PCM area going in, codes coming back), and which rows the server batches together. So this
+model covers it as it is: a request's payload here stands for either direction's.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def _requests(slots, start_frames=True):
                     np.arange(3 * n, dtype=np.uint64).reshape(n, 3), u32, u32 + 1,
                     np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) + 10,
                     np.arange(n, dtype=np.uint64), u32 + 2, u32 + 3 if start_frames else None,
-                    np.arange(n, dtype=np.int64) + 20)  # fmt: skip
+                    np.arange(n, dtype=np.int64) + 20, u32 + 4)  # fmt: skip
 
 
 def test_confirmed_chunks_concatenate_every_column_in_order():

@@ -230,17 +230,18 @@ def meta_model(build: Callable[[Any], nn.Module], config: Any, source: Path) -> 
     return model
 
 
-def read_state_dict(file: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+def read_state_dict(file: Path, model: nn.Module, *, part: str = "decode-path") -> dict[str, torch.Tensor]:
     """Load the tensors ``model`` needs from a safetensors file, folding weight norm.
 
-    Every decode-path key is checked before any tensor is read; one CheckpointError lists every
-    key that is missing, of the wrong shape, or not floating point.
+    Every key of ``model`` is checked before any tensor is read; one CheckpointError lists every
+    key that is missing, of the wrong shape, or not floating point, naming them ``part`` tensors
+    (``"decode-path"``, ``"encode-path"``).
     """
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             slices = {k: f.get_slice(k) for k in f.keys()}
             meta = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in slices.items()}
-            plan = _plan(meta, model, file)
+            plan = _plan(meta, model, file, part)
             tensors = {k: f.get_tensor(k) for keys in plan.values() for k in keys}
     except CheckpointError:
         raise
@@ -271,7 +272,7 @@ def _fold(
 
 
 def _plan(
-    meta: Mapping[str, tuple[tuple[int, ...], str]], model: nn.Module, file: Path
+    meta: Mapping[str, tuple[tuple[int, ...], str]], model: nn.Module, file: Path, part: str = "decode-path"
 ) -> dict[str, tuple[str, ...]]:
     """For each model key, the stored key(s) to read; raises CheckpointError listing problems."""
     wn = weight_norm_prefixes(model)
@@ -310,7 +311,7 @@ def _plan(
                 "NAME.parametrizations.weight.original0/1 or as a folded NAME.weight)"
             )
         raise CheckpointError(
-            f"{file} does not fit its config: {len(missing)} decode-path tensor(s) missing, "
+            f"{file} does not fit its config: {len(missing)} {part} tensor(s) missing, "
             f"{len(bad)} of the wrong shape or dtype:\n" + "\n".join(lines) + note
         )
     return plan

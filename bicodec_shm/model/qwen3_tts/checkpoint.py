@@ -4,10 +4,13 @@
 
     config.json         {"model_type": "qwen3_tts_tokenizer_12hz", "output_sample_rate": 24000,
                          "decode_upsample_rate": 1920, "decoder_config": {...}, "encoder_config": ...}
-    model.safetensors   encoder.* (the Mimi encoder, not read) and decoder.* (the decode path)
+    model.safetensors   encoder.* (the encode path: transformers' Mimi encoder) and decoder.*
+                        (the decode path)
 
-The decode path has no weight norm; tensors are read as stored, then cast to the float32 the
-model loads in.
+Each path reads its own half: ``Qwen3TTSDecoder`` the ``decoder_config`` and ``decoder.*``,
+``Qwen3TTSEncoder`` the ``encoder_config`` (with the top-level ``encoder_valid_num_quantizers``,
+``encode_downsample_rate`` and ``input_sample_rate``) and ``encoder.*``. Neither has weight norm;
+tensors are read as stored, then cast to the float32 the model loads in.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from torch import nn
 
 from ...errors import CheckpointError
 from .. import weights as shared
+from ..config_values import shown
 from .config import Qwen3CodecConfig
+from .encoder_config import TOP_LEVEL, Qwen3EncoderConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -62,12 +67,32 @@ def read_config(folder: Path) -> Qwen3CodecConfig:
     )
 
 
-def _from_doc(doc: Any) -> Qwen3CodecConfig:
+def read_encoder_config(folder: Path) -> Qwen3EncoderConfig:
+    """The encoder's config from ``config.json``; CheckpointError naming the file if it is not a
+    12 Hz tokenizer's or has no ``encoder_config``."""
+    return shared.read_config_file(
+        folder / CONFIG_FILE, json.loads, "JSON", (json.JSONDecodeError,), _encoder_from_doc
+    )
+
+
+def _check_model_type(doc: Any) -> None:
     if not isinstance(doc, dict) or doc.get("model_type") != MODEL_TYPE:
         found = doc.get("model_type") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(
-            f'expected "model_type": "{MODEL_TYPE}" (a Qwen3-TTS 12 Hz tokenizer), got {found!r}'
+            f'expected "model_type": "{MODEL_TYPE}" (a Qwen3-TTS 12 Hz tokenizer), got {shown(found)}'
         )
+
+
+def _encoder_from_doc(doc: Any) -> Qwen3EncoderConfig:
+    _check_model_type(doc)
+    encoder = doc.get("encoder_config")
+    if not isinstance(encoder, dict):
+        raise ValueError(f"encoder_config must be a mapping (the encode path's), got {shown(encoder)}")
+    return Qwen3EncoderConfig.from_dict({**encoder, **{k: doc[k] for k in TOP_LEVEL if k in doc}})
+
+
+def _from_doc(doc: Any) -> Qwen3CodecConfig:
+    _check_model_type(doc)
     decoder = doc.get("decoder_config") or {}
     if not isinstance(decoder, dict):
         raise ValueError(f"decoder_config must be a mapping, got {type(decoder).__name__}")
@@ -80,10 +105,10 @@ def _from_doc(doc: Any) -> Qwen3CodecConfig:
     return cfg
 
 
-def read_weights(folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The decode-path tensors ``model`` needs, in float32; one CheckpointError lists every one
-    missing or misshapen."""
-    tensors = shared.read_state_dict(folder / WEIGHTS_FILE, model)
+def read_weights(folder: Path, model: nn.Module, *, part: str = "decode-path") -> dict[str, torch.Tensor]:
+    """The tensors ``model`` needs (its ``part``: ``"decode-path"``, ``"encode-path"``), in
+    float32; one CheckpointError lists every one missing or misshapen."""
+    tensors = shared.read_state_dict(folder / WEIGHTS_FILE, model, part=part)
     return {k: t.float() for k, t in tensors.items()}
 
 

@@ -9,7 +9,8 @@
                         the encode path, ``BiCodecEncoder`` (waveforms -> ids)
     model/snac/         SNAC (Orpheus TTS): ``SNACDecoder``, ``SNACConfig``
     model/dac/          DAC (Dia, Parler-TTS): ``DACDecoder``, ``DACConfig``
-    model/qwen3_tts/    Qwen3-TTS's 12 Hz speech tokenizer: ``Qwen3TTSDecoder``, ``Qwen3CodecConfig``
+    model/qwen3_tts/    Qwen3-TTS's 12 Hz speech tokenizer: ``Qwen3TTSDecoder``, ``Qwen3CodecConfig``;
+                        its encode path, ``Qwen3TTSEncoder``, ``Qwen3EncoderConfig``
 
 May import: ``codecs``, ``errors``, and ``protocol`` (the batch record a codec's adapter reads);
 never the client, server, deploy or tools layers. Every decoder is exact under mixed-length
@@ -33,7 +34,9 @@ _EXPORTS = {
     "DACDecoder": ".dac",
     "GraphedDecoder": ".bicodec.graphs",
     "Qwen3CodecConfig": ".qwen3_tts",
+    "Qwen3EncoderConfig": ".qwen3_tts",
     "Qwen3TTSDecoder": ".qwen3_tts",
+    "Qwen3TTSEncoder": ".qwen3_tts",
     "SNACConfig": ".snac",
     "SNACDecoder": ".snac",
 }

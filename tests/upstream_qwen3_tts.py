@@ -51,14 +51,23 @@ TINY_ENCODER = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads"
                 "upsample_groups": 16, "codebook_size": 2048}  # fmt: skip
 
 
-def make_tokenizer(decoder_config: dict[str, Any]) -> Any:
-    """``Qwen3TTSTokenizerV2Model`` of ``decoder_config`` (our config's ``to_dict()``), random
-    weights, eval mode."""
+# The top-level keys of config.json that qwen-tts's encode reads beside encoder_config.
+ENCODE_KEYS = ("encoder_valid_num_quantizers", "encode_downsample_rate", "input_sample_rate")
+
+
+def make_tokenizer(decoder_config: dict[str, Any], encoder_config: dict[str, Any] | None = None) -> Any:
+    """``Qwen3TTSTokenizerV2Model`` of ``decoder_config`` (our decoder config's ``to_dict()``) and
+    ``encoder_config`` (our encoder config's ``to_dict()``, top-level keys included; None: the
+    never-run ``TINY_ENCODER``), random weights, eval mode."""
     up = upstream()
     decoder = dict(decoder_config)
     sample_rate = decoder.pop("output_sample_rate", 24000)
+    encoder = dict(encoder_config or TINY_ENCODER)
+    top = {k: encoder.pop(k) for k in ENCODE_KEYS if k in encoder}
+    if encoder_config is not None:  # MimiModel builds its grouped upsampling, which encode never runs
+        encoder["upsample_groups"] = encoder["hidden_size"]
     config = up.configuration.Qwen3TTSTokenizerV2Config(
-        encoder_config=TINY_ENCODER, decoder_config=decoder, output_sample_rate=sample_rate,
-        input_sample_rate=sample_rate,
+        encoder_config=encoder, decoder_config=decoder, output_sample_rate=sample_rate,
+        **{"input_sample_rate": sample_rate, **top},
     )  # fmt: skip
     return up.modeling.Qwen3TTSTokenizerV2Model(config).eval()

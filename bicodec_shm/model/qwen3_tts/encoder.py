@@ -16,7 +16,7 @@ last, partial frame reads that padding: zeros (``pad_mode="constant"``) or the l
 repeated (the downsampling's ``"replicate"``) when the row is encoded alone, the activations of
 the other rows' width when it is encoded in a padded batch. qwen-tts's batched ``encode`` therefore
 gives a row whose length is not a multiple of the stride another last frame than its lone
-``encode`` (on random weights every codebook of that frame differs). So before each of the
+``encode`` (on random weights, most of that frame's 16 codes differ). So before each of the
 encoder's top-level convolutions, and the downsampling, every row's positions past its own
 length are set to what that convolution's padding puts there alone::
 

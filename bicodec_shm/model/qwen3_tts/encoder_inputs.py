@@ -44,7 +44,7 @@ def check_audio(audio: AudioLike, lengths: Any, *, sample_rate: int | None,
         raise ValueError(f"audio has shape {tuple(wave.shape)}; need B >= 1 rows of T >= 1 samples")
     if width > MAX_SAMPLES:
         raise ValueError(f"audio has {width} samples a row; the encoder takes at most {MAX_SAMPLES} "
-                         f"(its convolutions' padding is computed in float32): encode it in parts")  # fmt: skip
+                         f"(transformers' convolutions compute their padding in float32)")  # fmt: skip
     lens = [width] * batch if lengths is None else check_lengths(lengths, batch, width).tolist()
     wave = wave.float()
     valid = torch.arange(width, device=wave.device) < torch.tensor(lens, device=wave.device)[:, None]

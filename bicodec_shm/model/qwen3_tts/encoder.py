@@ -9,16 +9,17 @@ as upstream's ``encoder``, so its state dict is the file's ``encoder.*`` as is) 
 blocks in the same order: the SEANet convolutions (960 samples to a 25 Hz frame), the transformer,
 the strided downsampling (to 12.5 Hz) and the split residual quantizer.
 
-**Right padding.** Every block is causal (convolutions padded on the left; the transformer's mask
-is causal, and transformers' ``MimiModel`` applies no sliding window outside its streaming
-cache), but a strided convolution pads its input on the right up to a whole stride, and a row's
-last, partial frame reads that padding: zeros (``pad_mode="constant"``) or the last sample
-repeated (the downsampling's ``"replicate"``) when the row is encoded alone, the activations of
-the other rows' width when it is encoded in a padded batch. qwen-tts's batched ``encode`` therefore
-gives a row whose length is not a multiple of the stride another last frame than its lone
-``encode`` (on random weights, most of that frame's 16 codes differ). So before each of the
-encoder's top-level convolutions, and the downsampling, every row's positions past its own
-length are set to what that convolution's padding puts there alone::
+**Right padding.** Every block is causal: convolutions padded on the left, and a causal
+transformer (in transformers 4.57 plainly causal: its ``sliding_window`` of 250 frames does not
+limit this encode, every 25 Hz frame attends to all before it). But a strided convolution pads its
+input on the right up to a whole stride, and a row's last, partial frame reads that padding: zeros
+(``pad_mode="constant"``) or the last column repeated (the downsampling's ``"replicate"``) when
+the row is encoded alone, the activations of the other rows' width when it is encoded in a padded
+batch. qwen-tts's batched ``encode`` therefore gives a row whose length is not a multiple of the
+stride another last frame than its lone ``encode`` (on random weights, most of that frame's 16
+codes differ). So before each of the encoder's top-level convolutions, and the downsampling,
+every row's positions past its own length are set to what that convolution's padding puts there
+alone::
 
     row i, layer input    | valid (lens_i) | past the row: 0, or the row's last column |
     conv output           | ceil(lens_i / stride) valid columns | ...

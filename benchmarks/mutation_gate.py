@@ -954,6 +954,22 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/model/qwen3_tts/decoder.py", "= ids[i, :, first - context : end]",
       "= ids[j, :, first - context : end]",
       "tests/test_qwen3_tts_model.py", "-k", "mixed_length_batch"),
+    m("qwen3-encoder-batch-without-padding-fill", "a padded batch's rows are not filled past their "
+      "ends before a strided convolution: a row's partial last frame reads the other rows' width, "
+      "as in qwen-tts's own batched encode",
+      "bicodec_shm/model/qwen3_tts/encoder.py", "    if min(lens) < width:\n",
+      "    if min(lens) < width and False:\n",
+      "tests/test_qwen3_tts_encoder.py", "-k", "mixed_length_batch"),
+    m("qwen3-encoder-replicate-padding-as-zeros", "the downsampling's replicate padding is filled with "
+      "zeros past a row's end, not with the row's last column",
+      "bicodec_shm/model/qwen3_tts/encoder.py", 'if conv.pad_mode == "constant":',
+      'if conv.pad_mode in ("constant", "replicate"):',
+      "tests/test_qwen3_tts_encoder.py", "-k", "mixed_length_batch"),
+    m("qwen3-encoder-floor-frames", "a row keeps floor(samples / 1920) frames (at least 1), not "
+      "qwen-tts's ceil: a partial last frame is dropped",
+      "bicodec_shm/model/qwen3_tts/encoder_config.py", "return -(-samples // self.samples_per_frame)",
+      "return max(1, samples // self.samples_per_frame)",
+      "tests/test_qwen3_tts_encoder.py", "-k", "lone_encodes"),
     # -- a fresh server starts from the load's prediction ----------------------------------------
     m("fresh-start-most-lanes-for-one-client", "one request at a time is predicted the most lanes",
       "bicodec_shm/server/lane_tuner.py",

@@ -75,11 +75,11 @@ def bench_ties(variant: str, trials: int, max_samples: int, seed: int = 0) -> di
             lengths = [rng.randint(1, max_samples) for _ in range(rng.randint(2, 4))]
             audio = 0.3 * torch.randn(len(lengths), max(lengths), generator=gen)
             seen.clear()
-            batched = model.tokenize(audio, lengths)
+            batched = model.tokenize(audio, lengths).codes
             in_batch = list(seen)
             for i, n in enumerate(lengths):
                 seen.clear()
-                alone = model.tokenize(audio[i, :n])[0]
+                alone = model.tokenize(audio[i, :n]).codes[0]
                 frames = alone.shape[1]
                 for lone_d, batch_d in zip(seen, in_batch):
                     rows = batch_d.shape[0] // len(lengths)  # cdist rows: row-major (B, F)

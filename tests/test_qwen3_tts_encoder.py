@@ -21,6 +21,7 @@ from upstream_qwen3_tts import ENCODE_KEYS, make_tokenizer, upstream
 from bicodec_shm.errors import CheckpointError
 from bicodec_shm.model.qwen3_tts import Qwen3CodecConfig, Qwen3EncoderConfig, Qwen3TTSDecoder, Qwen3TTSEncoder
 from bicodec_shm.model.qwen3_tts import encoder as encoder_module
+from bicodec_shm.model.qwen3_tts.encoder import CODE_PAD
 
 SPF = 1920
 # Around the frame (1920 samples) and the SEANet strides (4, 20, 120, 960): one sample, less than
@@ -97,8 +98,9 @@ def test_lone_encodes_equal_qwen_tts(saved, loaded, n):
     """Every code of every codebook, and ceil(n / 1920) frames."""
     twin, _ = saved
     audio = wave([n], seed=n)
-    ours = loaded.tokenize(audio[0])  # one (T,) waveform
+    ours, lengths = loaded.tokenize(audio[0])  # one (T,) waveform
     theirs = upstream_encode(twin, audio, [n])[0]
+    assert lengths.tolist() == [math.ceil(n / SPF)]
     assert ours.shape == (1, 16, math.ceil(n / SPF)) == (1, *theirs.shape)
     assert ours.dtype == torch.int64
     assert torch.equal(ours[0], theirs)
@@ -107,29 +109,30 @@ def test_lone_encodes_equal_qwen_tts(saved, loaded, n):
 def test_codes_are_not_degenerate(tiny):
     """A check of equal codes is weak if the codes hardly depend on the audio: every codebook
     takes several values over five frames, and other audio gives other codes."""
-    codes = tiny.tokenize(wave([9600], seed=1))[0]
+    codes = tiny.tokenize(wave([9600], seed=1)).codes[0]
     assert min(len(set(codes[q].tolist())) for q in range(16)) >= 3
-    other = tiny.tokenize(wave([9600], seed=2))[0]
+    other = tiny.tokenize(wave([9600], seed=2)).codes[0]
     assert (codes != other).float().mean() > 0.9
 
 
 def test_mixed_length_batch_equals_lone_encodes_and_qwen_tts(saved, loaded):
     """One right-padded batch (wider than its longest row): each row's codes are its lone encode's
-    and qwen-tts's lone encode's, then -1. (A batched row's floats differ from its lone encode's in
+    and qwen-tts's lone encode's, then CODE_PAD (0). (A batched row's floats differ from its lone encode's in
     the last bits; about one code in 1e5 sits close enough to a tie to flip, see
     benchmarks/bench_qwen3_encoder_ties.py; none of these 272 does.)"""
     twin, _ = saved
     model = loaded
     lengths = [5767, 1, 9600, 1921, 4000, 100, 1919]
     audio = wave(lengths, seed=3, width=10_000)
-    batched = model.tokenize(audio, lengths)
+    batched, frames = model.tokenize(audio, lengths)
     assert batched.shape == (len(lengths), 16, 5)
+    assert frames.tolist() == [math.ceil(n / SPF) for n in lengths] == [4, 1, 5, 2, 3, 1, 1]
     for i, n in enumerate(lengths):
-        frames = math.ceil(n / SPF)
-        alone = model.tokenize(audio[i, :n])[0]
-        assert torch.equal(batched[i, :, :frames], alone), f"row {i} ({n} samples)"
+        f = math.ceil(n / SPF)
+        alone = model.tokenize(audio[i, :n]).codes[0]
+        assert torch.equal(batched[i, :, :f], alone), f"row {i} ({n} samples)"
         assert torch.equal(alone, upstream_encode(twin, audio[i : i + 1, :n], [n])[0])
-        assert (batched[i, :, frames:] == -1).all()
+        assert (batched[i, :, f:] == CODE_PAD).all()
 
 
 def test_without_the_padding_fill_a_batch_is_qwen_tts_batched_encode(saved, loaded, monkeypatch):
@@ -147,15 +150,26 @@ def test_without_the_padding_fill_a_batch_is_qwen_tts_batched_encode(saved, load
         return conv(h), [-(-n // conv.conv.stride[0]) for n in lens]
 
     monkeypatch.setattr(encoder_module, "padded_alone", no_fill)
-    unfilled = model.tokenize(audio, lengths)
+    unfilled = model.tokenize(audio, lengths).codes
     monkeypatch.undo()
     for i, n in enumerate(lengths):
         frames = math.ceil(n / SPF)
-        alone = model.tokenize(audio[i, :n])[0]
+        alone = model.tokenize(audio[i, :n]).codes[0]
         assert torch.equal(unfilled[i, :, :frames], batched_upstream[i])
         assert torch.equal(unfilled[i, :, : frames - 1], alone[:, :-1])
         if n < max(lengths):  # a partial last frame (5767, 4000, 1921) reads the other rows' width
             assert (batched_upstream[i][:, -1] != alone[:, -1]).sum() >= 8, f"row {i} ({n} samples)"
+
+
+def test_codes_and_lengths_go_to_the_decoder_as_they_are(tiny):
+    """The padding is a valid code, so the decoder takes a batch's (codes, lengths) unchanged; each
+    row decodes as its lone encode's codes do (the decoder's own batching bound: 1e-5)."""
+    decoder = Qwen3TTSDecoder.from_config("tiny", seed=0)
+    lengths = [4000, 1921]
+    audio = decoder.detokenize(*tiny.tokenize(wave(lengths, seed=7), lengths))
+    alone = decoder.detokenize(tiny.tokenize(wave(lengths, seed=7)[1, :1921]).codes)
+    assert audio.shape == (2, 3 * SPF) and alone.shape == (1, 2 * SPF)
+    assert (audio[1, : 2 * SPF] - alone[0]).abs().max() <= 1e-5 and not audio[1, 2 * SPF :].any()
 
 
 def test_what_lies_past_a_row_is_never_read(tiny):
@@ -164,13 +178,14 @@ def test_what_lies_past_a_row_is_never_read(tiny):
     noisy = audio.clone()
     noisy[0, 3000:] = torch.randn(6600) * 100
     noisy[0, 5000] = float("nan")
-    assert torch.equal(tiny.tokenize(audio, lengths), tiny.tokenize(noisy, lengths))
+    clean, dirty = tiny.tokenize(audio, lengths), tiny.tokenize(noisy, lengths)
+    assert torch.equal(clean.codes, dirty.codes) and torch.equal(clean.lengths, dirty.lengths)
 
 
 def test_numpy_float64_and_a_list_of_lengths(tiny):
     audio = wave([2500, 4000], seed=6)
     as_numpy = tiny.tokenize(audio.double().numpy(), np.array([2500, 4000]))
-    assert torch.equal(as_numpy, tiny.tokenize(audio, [2500, 4000]))
+    assert torch.equal(as_numpy.codes, tiny.tokenize(audio, [2500, 4000]).codes)
 
 
 @pytest.mark.parametrize(("audio", "lengths", "kwargs", "message"), [
@@ -196,7 +211,7 @@ def test_a_sample_that_is_not_finite_is_named(tiny, bad):
     audio[1, 321] = bad
     with pytest.raises(ValueError, match=rf"audio\[1, 321\] = {bad} is not finite"):
         tiny.tokenize(audio)
-    assert tiny.tokenize(audio, [500, 300]).shape == (2, 16, 1)  # past row 1's end: never read
+    assert tiny.tokenize(audio, [500, 300]).codes.shape == (2, 16, 1)  # past row 1's end: never read
 
 
 def test_the_full_size_preset_is_the_published_encoder_config():

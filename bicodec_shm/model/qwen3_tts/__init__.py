@@ -18,7 +18,7 @@ transformers (the ``qwen3-encoder`` extra) when an encoder is built, never on im
 
 from .config import Qwen3CodecConfig
 from .decoder import Qwen3TTSDecoder
-from .encoder import Qwen3TTSEncoder
+from .encoder import Qwen3TTSCodes, Qwen3TTSEncoder
 from .encoder_config import Qwen3EncoderConfig
 
-__all__ = ["Qwen3CodecConfig", "Qwen3EncoderConfig", "Qwen3TTSDecoder", "Qwen3TTSEncoder"]
+__all__ = ["Qwen3CodecConfig", "Qwen3EncoderConfig", "Qwen3TTSCodes", "Qwen3TTSDecoder", "Qwen3TTSEncoder"]

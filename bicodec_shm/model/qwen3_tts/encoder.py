@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,6 +48,16 @@ from .encoder_inputs import AudioLike, check_audio
 
 # Random-init gain of the quantizer's input projection (see _random_init).
 PROJECTION_GAIN = 3.0
+# Past each row's frames: a valid code, so that (codes, lengths) go to Qwen3TTSDecoder.detokenize
+# as they are (qwen-tts pads a codes batch with -1 and clamps it to 0 before decoding).
+CODE_PAD = 0
+
+
+class Qwen3TTSCodes(NamedTuple):
+    """What :meth:`Qwen3TTSEncoder.tokenize` returns (int64, on the model's device)."""
+
+    codes: torch.Tensor  # (B, 16, F): CODE_PAD past each row's frames
+    lengths: torch.Tensor  # (B,): frames of each row, ceil(samples / 1920)
 
 
 def mimi_encode_path(config: Qwen3EncoderConfig) -> nn.Module:
@@ -122,7 +132,7 @@ class Qwen3TTSEncoder(nn.Module):
 
     @torch.inference_mode()
     def tokenize(self, audio: AudioLike, lengths: Any = None, *,
-                 sample_rate: int | None = None) -> torch.Tensor:  # fmt: skip
+                 sample_rate: int | None = None) -> Qwen3TTSCodes:  # fmt: skip
         """Encode a right-padded batch; each row's codes are what qwen-tts's ``encode`` gives
         that row alone.
 
@@ -137,9 +147,10 @@ class Qwen3TTSEncoder(nn.Module):
                 does not reproduce). None: the config's.
 
         Returns:
-            int64 codes (B, 16, F) on the model's device, F = ``ceil(max(lengths) / 1920)``: row i
-            holds ``ceil(lengths[i] / 1920)`` frames (qwen-tts's ``audio_codes[i]``, transposed
-            from its (frames, 16)), then -1 (qwen-tts's padding of a codes batch).
+            ``codes`` (B, 16, F), F = ``ceil(max(lengths) / 1920)``: row i holds ``lengths[i]``
+            = ``ceil(samples_i / 1920)`` frames (qwen-tts's ``audio_codes[i]``, transposed from
+            its (frames, 16)), then ``CODE_PAD``; and those ``lengths`` (B,). Both go to
+            ``Qwen3TTSDecoder.detokenize`` as they are.
 
         Raises:
             ValueError: naming the bad argument (rate, dtype, shape, a NaN or infinite sample, a
@@ -148,10 +159,10 @@ class Qwen3TTSEncoder(nn.Module):
         cfg = self.config
         wave, lens = check_audio(audio, lengths, sample_rate=sample_rate, expected_rate=cfg.input_sample_rate)
         codes = self(wave.to(self.device), lens)
-        frames = [cfg.frames(n) for n in lens]
-        codes = codes[:, :, : max(frames)]
-        ends = torch.tensor(frames, device=codes.device)[:, None, None]
-        return codes.masked_fill(torch.arange(codes.shape[2], device=codes.device) >= ends, -1)
+        frames = torch.tensor([cfg.frames(n) for n in lens], device=codes.device)
+        codes = codes[:, :, : int(frames.max())]
+        past = torch.arange(codes.shape[2], device=codes.device) >= frames[:, None, None]
+        return Qwen3TTSCodes(codes.masked_fill(past, CODE_PAD), frames)
 
     def forward(self, audio: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """audio (B, T) float32 -> codes (B, 16, ceil(T / 1920)), row i exact for its first

@@ -10,7 +10,7 @@ import torch
 
 from bicodec_shm.model.bicodec.encode_config import BiCodecEncodeConfig, RefClipConfig
 from bicodec_shm.model.bicodec.tokenizer import BiCodecEncoder
-from bicodec_shm.model.bicodec.wav2vec2_features import TINY_WAV2VEC2, Wav2Vec2Features
+from bicodec_shm.model.bicodec.wav2vec2_features import TINY_WAV2VEC2, XLSR53_WAV2VEC2, Wav2Vec2Features
 from bicodec_shm.model.bicodec.waveforms import reference_clip, volume_normalize
 
 FEATURE_TOL = 1e-5  # float32 rounding of another batch shape's kernels (measured ~1e-6)
@@ -105,6 +105,24 @@ def test_the_reference_clip_tiles_short_waveforms_and_cuts_long_ones():
     wav = torch.arange(5.0)
     assert reference_clip(wav, 12).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
     assert reference_clip(torch.arange(20.0), 12).tolist() == list(range(12))
+
+
+def test_random_weights_at_the_released_size_build_xlsr53s_architecture(monkeypatch):
+    """So that a full-size server on random weights (``serve --encode`` without --model-dir)
+    holds and computes what a real one does; the tiny preset keeps its tiny wav2vec2."""
+    built = []
+
+    def capture(config, *, seed=None):
+        built.append(dict(config))
+        raise RuntimeError("enough")  # the 251 M parameters need not be drawn
+
+    monkeypatch.setattr(Wav2Vec2Features, "from_config", staticmethod(capture))
+    for preset in ("spark-tts-0.5b", "tiny"):
+        with pytest.raises(RuntimeError, match="enough"):
+            BiCodecEncoder.from_config(preset, seed=0)
+    full, tiny = built
+    assert full == XLSR53_WAV2VEC2 and full["num_hidden_layers"] == 24 and full["conv_dim"] == [512] * 7
+    assert tiny == {**TINY_WAV2VEC2, "hidden_size": tiny["hidden_size"]}
 
 
 def test_a_group_norm_wav2vec2_is_refused():

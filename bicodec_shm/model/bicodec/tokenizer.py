@@ -33,7 +33,7 @@ from .encode_config import BiCodecEncodeConfig
 from .encoder import FeatureEncoder, SemanticQuantizer
 from .mel import MelSpectrogram
 from .speaker import FrozenBatchNorm1d, PerceiverResampler, RMSNorm, SpeakerTokenizer
-from .wav2vec2_features import TINY_WAV2VEC2, Wav2Vec2Features
+from .wav2vec2_features import TINY_WAV2VEC2, XLSR53_WAV2VEC2, Wav2Vec2Features
 from .waveforms import reference_clip, volume_normalize
 
 WAV2VEC2_SUBFOLDER = "wav2vec2-large-xlsr-53"
@@ -141,12 +141,15 @@ class BiCodecEncoder(nn.Module):
         wav2vec2: Mapping[str, Any] | None = None,
         seed: int | None = None,
     ) -> BiCodecEncoder:
-        """Random weights, for tests: ``cfg`` a config or a preset name (``"tiny"``,
-        ``"spark-tts-0.5b"``); ``wav2vec2`` a ``Wav2Vec2Config`` mapping (default: a tiny
-        xlsr-53 with the preset's hidden size)."""
+        """Random weights, for tests and benchmarks: ``cfg`` a config or a preset name
+        (``"tiny"``, ``"spark-tts-0.5b"``); ``wav2vec2`` a ``Wav2Vec2Config`` mapping (default:
+        xlsr-53's own architecture where its hidden size is the preset's, as at full size, else
+        a tiny xlsr-53 with the preset's hidden size)."""
         config = BiCodecEncodeConfig.preset(cfg) if isinstance(cfg, str) else cfg
         gen = seeded(seed)
-        w2v = dict(wav2vec2 or {**TINY_WAV2VEC2, "hidden_size": config.encoder.input_channels})
+        width = config.encoder.input_channels
+        released = width == XLSR53_WAV2VEC2["hidden_size"]
+        w2v = dict(wav2vec2 or (XLSR53_WAV2VEC2 if released else {**TINY_WAV2VEC2, "hidden_size": width}))
         features = Wav2Vec2Features.from_config(w2v, seed=int(torch.randint(0, 2**31, (), generator=gen)))
         model = cls(config, features)
         _random_init(model.codec, gen)

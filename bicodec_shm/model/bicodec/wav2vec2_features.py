@@ -32,6 +32,14 @@ from .encode_config import FEATURE_LAYERS
 
 NORM_EPS = 1e-7  # Wav2Vec2FeatureExtractor's, under the square root of the variance
 
+# facebook/wav2vec2-large-xlsr-53's architecture (its config.json), for random weights at the
+# released size: 24 layers of 1024 (16 are kept), 16 heads, the 320-sample hop.
+XLSR53_WAV2VEC2: dict[str, Any] = {
+    "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+    "conv_dim": [512] * 7, "conv_stride": [5, 2, 2, 2, 2, 2, 2], "conv_kernel": [10, 3, 3, 3, 3, 2, 2],
+    "conv_bias": True, "feat_extract_norm": "layer", "do_stable_layer_norm": True,
+    "num_conv_pos_embeddings": 128, "num_conv_pos_embedding_groups": 16,
+}  # fmt: skip
 # xlsr-53's structure at tiny widths (random-weight tests): 16 layers, the 320-sample hop.
 TINY_WAV2VEC2: dict[str, Any] = {
     "hidden_size": 32, "num_hidden_layers": 16, "num_attention_heads": 2, "intermediate_size": 64,

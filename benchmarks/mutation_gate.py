@@ -462,6 +462,13 @@ MUTANTS: tuple[Mutant, ...] = (
       "            _WARMUP.ns = getattr(_WARMUP, \"ns\", 0) + time.perf_counter_ns() - t0",
       "        finally:\n            pass",
       "tests/test_traced.py", "-k", "warm_up"),
+    # -- the encode direction (audio in, codes back) ---------------------------------------------
+    m("encode-rows-batched-with-decodes", "a plan takes encode and decode rows into one forward pass",
+      "bicodec_shm/server/encoding.py", "    if not encodes.any():\n        return ready, False",
+      "    if True:\n        return ready, False", "tests/test_encode.py", "-k", "apart_from_decodes"),
+    m("encode-without-an-encoder", "a server without --encode takes an encode request as a decode",
+      "bicodec_shm/protocol/slot_io.py", 'if int(row["flags"]) & FLAG_ENCODE and not layout.encodes:',
+      "if False:", "tests/test_encode.py", "-k", "hostile"),
     # -- batching and dispatch measured on the live traffic ----------------------------------------
     m("join-always-pays", "a row joins a batch whatever the measured costs say",
       "bicodec_shm/server/batch_costs.py",

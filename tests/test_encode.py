@@ -35,10 +35,11 @@ from support import (
 from bicodec_shm import EncodedAudio, NoEncoderError
 from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import DecodeError
-from bicodec_shm.protocol.header import read_header
+from bicodec_shm.protocol.header import read_header, stats_from_header
 from bicodec_shm.protocol.layout import FLAG_ENCODE, HOP, Status
 from bicodec_shm.protocol.segment import Segment
 from bicodec_shm.protocol.slot_io import check_headers, gather
+from bicodec_shm.tools.stats_cmd import stats_rows
 
 ENCODE_WORKER = os.path.join(TESTS, "encode_worker.py")
 MIN_SAMPLES = 400  # the tiny wav2vec2's (xlsr-53's strides)
@@ -96,6 +97,9 @@ def test_encode_rows_batch_together_apart_from_decodes_and_each_equals_its_lone_
     one padded batch of encode rows only; each row's ids are its lone encode's."""
     encoder = GatedEncoder()
     server = thread_server(encoder=encoder, max_tokens=100, min_fill=0.0, batching="static")
+    stats = stats_from_header(server.segment.header)  # `bicodec-shm stats` says it encodes
+    assert stats["encode_min_samples"] == server.segment.layout.encode_min_samples > 0
+    assert dict(stats_rows(stats))["encodes"].startswith("yes (audio of")
     clips = [encode_clip(3, i) for i in range(4)]
     clips[1] = (clips[1] * 32767).astype(np.int16)
     clips[2] = clips[2].astype(np.float64)
@@ -219,6 +223,9 @@ def test_a_server_without_encode_loads_no_encoder_and_refuses_encodes_naming_it(
     try:
         wait_until_serving(shm_name, proc=proc)
         assert int(read_header(shm_name)["encodes"]) == 0
+        stats = stats_from_header(read_header(shm_name))
+        assert stats["encode_min_samples"] == 0
+        assert ("encodes", "no (started without --encode)") in stats_rows(stats)
         sem, glb = seeded_request(6, 20)
         with DecoderClient(shm_name, timeout=30) as client:
             with pytest.raises(NoEncoderError, match="--encode"):

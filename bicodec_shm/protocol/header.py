@@ -239,6 +239,8 @@ def stats_from_header(h: np.void | np.ndarray) -> dict:
         "max_batch": int(h["max_batch"]),
         "lanes": int(h["lanes"]),
         "busy_lanes": int(h["busy_lanes"]),
+        # 0: started without --encode; else the shortest audio (samples) an encode may carry
+        "encode_min_samples": int(h["encode_min_samples"]) if int(h["encodes"]) else 0,
         "requests": requests,
         "batches": batches,
         "failed": int(h["failed"]),

@@ -250,6 +250,8 @@ def stats_rows(stats: dict) -> list[tuple[str, object]]:
         ("server pid", f"{stats['server_pid']} ({_STATE_WORDS.get(state, state)})"),
         ("codec", stats.get("codec", "-")),
         ("slots / max tokens", f"{stats['slots']} / {stats['max_tokens']}"),
+        ("encodes", f"yes (audio of {stats['encode_min_samples']} samples or more)"
+         if stats.get("encode_min_samples") else "no (started without --encode)"),
     ]
     if "attached_clients" in stats:
         rows.append(("slots held (ready, busy)", f"{stats['owned']} ({stats['ready']}, {stats['busy']})"))

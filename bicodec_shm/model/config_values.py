@@ -11,7 +11,8 @@ or pickle memo tree of a few bytes has a repr of gigabytes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import Any, TypeVar
 
 from ..protocol.layout import MAX_LEVELS
@@ -105,6 +106,29 @@ def as_ints(key: str, value: Any) -> tuple[int, ...]:
     if len(value) > MAX_LIST:
         raise ValueError(f"'{key}' may list at most {MAX_LIST} integers, got {len(value)}")
     return tuple(as_int(key, v) for v in value)
+
+
+def as_float(key: str, value: Any) -> float:
+    """A number (int or float, bools refused) as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"'{key}' must be a number, got {shown(value)}")
+    return float(value)
+
+
+def given_fields(cls: type, mapping: Mapping[str, Any],
+                 convert: Callable[[str, Any], Any]) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """The fields of the dataclass ``cls`` that ``mapping`` gives, each through ``convert(name,
+    value)``, and one message for each it refuses. ``head_dim: null`` counts as not given
+    (transformers' configs say so for "hidden_size / heads")."""
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for f in fields(cls):
+        if f.name in mapping and not (f.name == "head_dim" and mapping[f.name] is None):
+            try:
+                values[f.name] = convert(f.name, mapping[f.name])
+            except ValueError as exc:
+                problems.append(str(exc))
+    return values, problems
 
 
 def require_positive(values: Mapping[str, int]) -> None:

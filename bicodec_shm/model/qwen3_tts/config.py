@@ -18,7 +18,16 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ...codecs.layout import CodecLayout
-from ..config_values import as_bool, as_int, as_ints, from_preset, plain, require_positive
+from ..config_values import (
+    as_bool,
+    as_float,
+    as_int,
+    as_ints,
+    from_preset,
+    given_fields,
+    plain,
+    require_positive,
+)
 
 CODEC_NAME = "qwen3-tts-12hz"
 
@@ -91,14 +100,7 @@ class Qwen3CodecConfig:
         """
         if not isinstance(mapping, Mapping):
             raise ValueError(f"config must be a mapping, got {type(mapping).__name__}")
-        values: dict[str, Any] = {}
-        problems: list[str] = []
-        for f in fields(cls):
-            if f.name in mapping and not (f.name == "head_dim" and mapping[f.name] is None):
-                try:
-                    values[f.name] = _convert(f.name, mapping[f.name])
-                except ValueError as exc:
-                    problems.append(str(exc))
+        values, problems = given_fields(cls, mapping, _convert)
         # RoPE variants (rope_scaling) change the positions' frequencies; no published model has one.
         if mapping.get("rope_scaling") is not None:
             problems.append(f"'rope_scaling' must be null (plain RoPE), got {mapping['rope_scaling']!r}")
@@ -130,9 +132,7 @@ def _convert(name: str, value: Any) -> Any:
             raise ValueError(f"'hidden_act' must be 'silu' (the published models'), got {value!r}")
         return value
     if name in _FLOATS:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"'{name}' must be a number, got {value!r}")
-        return float(value)
+        return as_float(name, value)
     return as_int(name, value)
 
 

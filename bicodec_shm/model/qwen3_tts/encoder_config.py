@@ -21,9 +21,11 @@ from ..config_values import (
     MAX_DIM,
     MAX_LIST,
     as_bool,
+    as_float,
     as_int,
     as_ints,
     from_preset,
+    given_fields,
     plain,
     require_at_most,
     require_positive,
@@ -108,14 +110,7 @@ class Qwen3EncoderConfig:
         """
         if not isinstance(mapping, Mapping):
             raise ValueError(f"encoder_config must be a mapping, got {type(mapping).__name__}")
-        values: dict[str, Any] = {}
-        problems: list[str] = []
-        for f in fields(cls):
-            if f.name in mapping and not (f.name == "head_dim" and mapping[f.name] is None):
-                try:
-                    values[f.name] = _convert(f.name, mapping[f.name])
-                except ValueError as exc:
-                    problems.append(str(exc))
+        values, problems = given_fields(cls, mapping, _convert)
         if mapping.get("rope_scaling") is not None:
             problems.append(f"'rope_scaling' must be null (plain RoPE), got {shown(mapping['rope_scaling'])}")
         # A published file names its frame rate "_frame_rate" (MimiConfig's attribute).
@@ -167,9 +162,7 @@ def _convert(name: str, value: Any) -> Any:
             raise ValueError(f"'{name}' must be a string, got {shown(value)}")
         return value
     if name in _FLOATS:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"'{name}' must be a number, got {shown(value)}")
-        return float(value)
+        return as_float(name, value)
     return as_int(name, value)
 
 

@@ -49,7 +49,7 @@ from ..server.batching import (
 from ..server.dispatch_policy import DISPATCH_MODES
 from ..server.signals import StartupSignals, sigint_ignored
 from .decode_cmd import _cmd_decode
-from .model_args import CODECS, add_model_args, load_decoder, load_encoder, resolve_preset
+from .model_args import CODECS, add_model_args, check_encodable, load_decoder, load_encoder, resolve_preset
 from .stats_cmd import _cmd_stats, marked_stopping, pid_clause
 
 DEFAULT_NAME = "bicodec-shm"
@@ -162,8 +162,9 @@ def _parser() -> argparse.ArgumentParser:
                         "0.0.0.0 exposes it to the network: every IPv4 interface)")  # fmt: skip
     s.add_argument("--encode", action="store_true",
                    help="also encode: clients send audio and get its codes back (DecoderClient.encode; "
-                        "BiCodec: the encoder of --model-dir's Spark-TTS folder, with its "
-                        "wav2vec2-large-xlsr-53/; default: off, no encoder is loaded)")  # fmt: skip
+                        "bicodec and qwen3-tts-12hz only. BiCodec: the encoder of --model-dir's "
+                        "Spark-TTS folder, with its wav2vec2-large-xlsr-53/; qwen3-tts-12hz: the "
+                        "speech tokenizer folder's encoder; default: off, no encoder is loaded)")  # fmt: skip
     s.set_defaults(func=_cmd_serve, max_tokens=None)  # None: 30 s of the codec's audio
 
     st = sub.add_parser("stats", help="print a server's live counters; exits 0 only while it serves",
@@ -304,8 +305,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     group = "," in args.device
     (validate_group_name if group else validate_name)(args.name)
     resolve_preset(args.codec, args.preset)
-    if args.encode and args.codec != "bicodec":
-        raise ValueError(f"--encode serves BiCodec's encoder only; {args.codec} has none here yet")
+    if args.encode:
+        check_encodable(args.codec)
     if args.max_tokens is None:
         args.max_tokens = default_max_frames(args.codec)
     codec = get_layout(args.codec)

@@ -96,21 +96,42 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     return decoder
 
 
-def load_encoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCodecEncoder
+# Codecs `serve --encode` has an encoder for: codec -> (module, class), imported on demand.
+ENCODERS = {
+    "bicodec": ("bicodec_shm.model.bicodec.tokenizer", "BiCodecEncoder"),
+    "qwen3-tts-12hz": ("bicodec_shm.model.qwen3_tts.encoder", "Qwen3TTSEncoder"),
+}
+
+
+def check_encodable(codec: str) -> None:
+    """Refuse ``serve --encode`` for a codec without an encoder here, naming those with one."""
+    if codec not in ENCODERS:
+        raise ValueError(f"--encode: {codec} has no encoder here; the codecs that encode are "
+                         f"{', '.join(ENCODERS)}")  # fmt: skip
+
+
+def load_encoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCodecEncoder | Qwen3TTSEncoder
     """The encoder ``serve --encode`` asks for (imports torch and transformers; a server without
-    ``--encode`` never calls this): BiCodec's, from ``--model-dir`` (a Spark-TTS folder with
-    ``BiCodec/`` and ``wav2vec2-large-xlsr-53/``), else random weights of ``--preset``."""
-    from ..model.bicodec.tokenizer import BiCodecEncoder
+    ``--encode`` never calls this), from ``--model-dir`` (BiCodec: a Spark-TTS folder with
+    ``BiCodec/`` and ``wav2vec2-large-xlsr-53/``; qwen3-tts-12hz: the speech tokenizer folder,
+    or a Qwen3-TTS model folder holding it as ``speech_tokenizer/``), else random weights of
+    ``--preset``."""
+    import importlib
+
     from ..model.devices import resolve_device
 
+    codec = getattr(args, "codec", "bicodec")
+    check_encodable(codec)
+    module, name = ENCODERS[codec]
+    model = getattr(importlib.import_module(module), name)
     device = resolve_device(args.device)
     if args.model_dir:
-        return BiCodecEncoder.from_pretrained(args.model_dir, device=device)
-    preset = resolve_preset("bicodec", args.preset)
+        return model.from_pretrained(args.model_dir, device=device)
+    preset = resolve_preset(codec, args.preset)
     if announce:
         print(f"bicodec-shm: encoding with the {preset} encoder's RANDOM weights (seed {args.seed}): "
               "the codes mean nothing", file=sys.stderr)  # fmt: skip
-    return BiCodecEncoder.from_config(preset, seed=args.seed).to(device)
+    return model.from_config(preset, seed=args.seed).to(device)
 
 
 def wrong_codec(model_dir: str, found: str, codec: str) -> str:

@@ -130,6 +130,12 @@ class Qwen3TTSEncoder(nn.Module):
             raise CheckpointError(f"{folder}: the encode path was left partly unloaded")
         return model.to(device).eval()
 
+    def encode_adapter(self) -> Any:
+        """How a server encodes a batch with this encoder (``server.adapters.encode_adapter``)."""
+        from .serving import Qwen3TTSEncodeAdapter
+
+        return Qwen3TTSEncodeAdapter(self)
+
     @torch.inference_mode()
     def tokenize(self, audio: AudioLike, lengths: Any = None, *,
                  sample_rate: int | None = None) -> Qwen3TTSCodes:  # fmt: skip

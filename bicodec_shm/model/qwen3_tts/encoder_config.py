@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ...codecs.layout import CodecLayout
 from ..config_values import (
     MAX_DIM,
     MAX_LIST,
@@ -94,6 +95,18 @@ class Qwen3EncoderConfig:
     def num_codebooks(self) -> int:
         """Codebooks in a frame of codes (upstream's ``encoder_valid_num_quantizers``, 16)."""
         return self.encoder_valid_num_quantizers
+
+    @property
+    def layout(self) -> CodecLayout:
+        """The token layout the encoder's codes follow: the ``qwen3-tts-12hz`` codec's, one level
+        per kept codebook, one code per frame each (what ``Qwen3CodecConfig.layout`` decodes)."""
+        return CodecLayout(
+            name="qwen3-tts-12hz",
+            level_rates=(1,) * self.num_codebooks,
+            level_vocab=(self.codebook_size,) * self.num_codebooks,
+            samples_per_frame=self.samples_per_frame,
+            sample_rate=self.input_sample_rate,
+        )
 
     def frames(self, samples: int) -> int:
         """Frames of codes for ``samples`` samples: ``ceil(samples / 1920)``, as qwen-tts trims

@@ -72,6 +72,15 @@ def encode_clip(seed: int, i: int) -> np.ndarray:
     return np.clip(rng.standard_normal(n) * 0.2, -1, 1).astype(np.float32)
 
 
+def qwen3_clip(seed: int, i: int) -> np.ndarray:
+    """Clip ``i`` of ``seed`` for the Qwen3-TTS encode tests: (N,) float32 noise at 24 kHz, 1
+    sample to 0.5 s long (1 to 7 frames of 1920 samples, most ending in a partial one);
+    torch-free, for client processes too."""
+    rng = np.random.default_rng([seed, i, 12])
+    n = int(rng.integers(1, 12000))
+    return (rng.standard_normal(n) * 0.2).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=None)
 def reference_encoder(seed: int = 0):
     """The random tiny encoder the test servers build (``serve --encode --preset tiny --seed 0``)."""

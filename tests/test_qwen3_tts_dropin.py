@@ -20,7 +20,7 @@ import torch
 from test_qwen3_tts_model import upstream_twin
 from upstream_qwen3_tts import upstream
 
-from bicodec_shm import DecoderClient
+from bicodec_shm import DecoderClient, NoEncoderError
 from bicodec_shm.integrations import qwen3_tts
 from bicodec_shm.integrations.qwen3_tts import SharedSpeechTokenizer, install, uninstall
 from bicodec_shm.model.qwen3_tts import Qwen3TTSDecoder
@@ -249,13 +249,20 @@ def test_install_routes_generates_decode_through_the_server(server, shm_name, re
     assert model.model.speech_tokenizer is original
 
 
-def test_without_the_tokenizer_encode_says_what_to_load(server, shm_name, reference):
-    model = Qwen3TTSModelStandIn(EncoderStandIn(reference))
+def test_without_the_tokenizer_encode_goes_to_the_server_and_other_attributes_say_what_to_load(
+        server, shm_name, reference):  # fmt: skip
+    """``keep_tokenizer=False``: cloning's encode goes to the server (this one was started
+    without ``--encode``: NoEncoderError); an attribute only the tokenizer has names the fix."""
+    original = EncoderStandIn(reference)
+    model = Qwen3TTSModelStandIn(original)
     shared = install(model, name=shm_name, keep_tokenizer=False)
     assert shared.tokenizer is None and shared.get_output_sample_rate() == 24000
     same(model.generate_voice_design([codes(6, 6)]), reference.decode([{"audio_codes": codes(6, 6)}]))
+    with pytest.raises(NoEncoderError, match="--encode"):
+        model.generate_voice_clone([codes(6, 6)], np.zeros(SPF, np.float32))
+    assert original.encoded == 0
     with pytest.raises(AttributeError, match=re.escape("keep qwen-tts's tokenizer loaded")):
-        model.generate_voice_clone([codes(6, 6)], [0.0] * SPF)
+        shared.feature_extractor  # noqa: B018
     with pytest.raises(ValueError, match="kept no tokenizer"):
         uninstall(model)
 

@@ -1,20 +1,25 @@
-"""Qwen3-TTS's speech tokenizer for decoding, backed by a shared ``qwen3-tts-12hz`` server.
+"""Qwen3-TTS's speech tokenizer, backed by a shared ``qwen3-tts-12hz`` server: decoding, and
+encoding for voice cloning.
 
 ``Qwen3TTSModel``'s ``generate_custom_voice``, ``generate_voice_design`` and
 ``generate_voice_clone`` (qwen-tts, ``qwen_tts/inference/qwen3_tts_model.py``) end with
 ``self.model.speech_tokenizer.decode([{"audio_codes": c}, ...])``, one ``(T, 16)`` code tensor
-per utterance, and return its ``(wavs, sample_rate)``. A :class:`SharedSpeechTokenizer` answers
-that call through the server: every row of a call is sent at once, so the rows batch with each
-other and with every other process's. One line after loading::
+per utterance, and return its ``(wavs, sample_rate)``; voice cloning from reference audio first
+calls ``self.model.speech_tokenizer.encode(wavs, sr=sr)`` and reads its ``audio_codes``. A
+:class:`SharedSpeechTokenizer` answers both calls through the server: every row of a call is
+sent at once, so the rows batch with each other and with every other process's. One line after
+loading::
 
-    model = Qwen3TTSModel.from_pretrained("Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice", device_map="cuda:0")
-    install(model, name="qwen3-tts")    # model.model.speech_tokenizer now decodes on the server
+    model = Qwen3TTSModel.from_pretrained("Qwen/Qwen3-TTS-12Hz-1.7B-Base", device_map="cuda:0")
+    install(model, name="qwen3-tts", keep_tokenizer=False)  # decode and encode on the server
 
 The server: ``bicodec-shm serve --codec qwen3-tts-12hz --model-dir <the model's speech_tokenizer
-folder> --name qwen3-tts``. :func:`install` keeps the original tokenizer for everything but
-decoding: ``generate_voice_clone`` with reference audio calls its ``encode`` (its encoder and
-feature extractor stay in the process). ``keep_tokenizer=False`` lets it go, for workers that
-never encode (custom voice, voice design, clone prompts made elsewhere).
+folder> --name qwen3-tts``, plus ``--encode`` for voice cloning from reference audio.
+:func:`install` keeps the original tokenizer by default (``keep_tokenizer=True``): ``encode``
+then runs it in this process, as before (it reads audio files and resamples, which the server's
+encode does not), and its other attributes are read from it. ``keep_tokenizer=False`` lets it
+go, and with it every weight of the speech tokenizer in the worker (its encoder, decoder and
+feature extractor): ``encode`` then goes to the server too.
 
 ``decode`` takes every form qwen-tts's ``Qwen3TTSTokenizer.decode`` takes for the 12 Hz tokenizer,
 and returns what it returns: a list of 1-D float32 numpy arrays, ``1920·n`` samples for a row of
@@ -34,11 +39,17 @@ a ``ValueError`` naming the row, frame and codebook (qwen-tts clamps, or fails i
 and a row longer than the server's ``--max-tokens`` frames is refused before any row is sent. A
 row of 0 frames gives an empty array, as upstream.
 
-torch is never imported here: tensors are read with ``.detach().cpu().numpy()``.
+Without a kept tokenizer, ``encode`` takes numpy waveforms at 24 kHz as qwen-tts's
+``Qwen3TTSTokenizer.encode`` takes them and returns what it returns, the codes computed on the
+server (:meth:`SharedSpeechTokenizer.encode`).
+
+torch is never imported here: tensors are read with ``.detach().cpu().numpy()``, and ``encode``'s
+code tensors are made by the torch the process has loaded already (qwen-tts's).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +58,7 @@ import numpy as np
 from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.client.long_requests import all_in_threads
 from bicodec_shm.codecs import QWEN3_TTS_12HZ
+from bicodec_shm.codecs.audio import as_audio, check_audio_length
 from bicodec_shm.integrations.inputs import integer_array, shared_client
 
 N_CODEBOOKS = QWEN3_TTS_12HZ.n_levels  # 16: 1 semantic + 15 acoustic
@@ -56,15 +68,36 @@ SAMPLES_PER_FRAME = QWEN3_TTS_12HZ.samples_per_frame  # 1920
 MODEL_TYPE = "qwen3_tts_tokenizer_12hz"  # what qwen-tts's get_model_type() answers for it
 
 
+class EncodeOutput(dict):
+    """What :meth:`SharedSpeechTokenizer.encode` returns, read as qwen-tts's
+    ``Qwen3TTSTokenizerV2EncoderOutput`` is: ``.audio_codes``, ``["audio_codes"]`` or ``[0]``,
+    one ``(T, 16)`` int64 code tensor per clip."""
+
+    def __init__(self, audio_codes: list[Any]) -> None:
+        super().__init__(audio_codes=audio_codes)
+
+    @property
+    def audio_codes(self) -> list[Any]:
+        return dict.__getitem__(self, "audio_codes")
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.to_tuple()[key] if isinstance(key, int) else dict.__getitem__(self, key)
+
+    def to_tuple(self) -> tuple[list[Any]]:
+        return (self.audio_codes,)
+
+
 class SharedSpeechTokenizer:
-    """``Qwen3TTSTokenizer.decode`` (12 Hz) through the server ``name``.
+    """``Qwen3TTSTokenizer.decode`` and ``encode`` (12 Hz) through the server ``name``.
 
     Args:
         name: the server's segment name (``bicodec-shm serve --name``); ignored with ``client``.
         client: a ``DecoderClient`` to use (default: this process's shared one for ``name``).
-        tokenizer: qwen-tts's ``Qwen3TTSTokenizer`` that every other attribute (``encode``,
-            ``config``, ``feature_extractor``, ...) is read from; None: there are none.
-        timeout: seconds one row's decode may take (None: the client's default).
+        tokenizer: qwen-tts's ``Qwen3TTSTokenizer`` that ``encode`` runs and every other
+            attribute (``config``, ``feature_extractor``, ...) is read from; None: ``encode``
+            goes to the server, and there are no other attributes.
+        timeout: seconds one row's decode or one clip's encode may take (None: the client's
+            default).
 
     Thread-safe: calls from many threads share the client, and the server batches them.
     """
@@ -112,6 +145,56 @@ class SharedSpeechTokenizer:
         wavs = [next(decoded) if len(row) else np.zeros(0, np.float32) for row in rows]
         return wavs, SAMPLE_RATE
 
+    def encode(self, audios: Any, sr: int | None = None, return_dict: bool = True) -> Any:
+        """Encode as qwen-tts's ``Qwen3TTSTokenizer.encode`` does for the 12 Hz tokenizer: with a
+        kept ``tokenizer``, its own ``encode`` in this process (every input it takes); without
+        one, on the server (started with ``--encode``), every clip sent at once, so that they
+        batch there. What follows is the server's.
+
+        Args:
+            audios: one numpy waveform or a list of them, at 24 kHz; as upstream, an array of
+                more than one dimension is mixed down by its mean over the last axis (channels
+                last), and the samples are cast to float32 as they are (upstream scales nothing:
+                pass int16 PCM divided by 32768). Paths, URLs and base64 strings, which qwen-tts
+                reads with librosa and soundfile, and any rate but 24000 (which it resamples
+                with librosa) are refused: nothing here reads files or resamples the way it
+                does, and a clip read or resampled another way would give other codes.
+            sr: the waveforms' sample rate, required as upstream; it must be 24000.
+            return_dict: True: an :class:`EncodeOutput` (``.audio_codes``); False: the tuple
+                ``(audio_codes,)``, as upstream.
+        Returns:
+            ``audio_codes``: one ``(ceil(n / 1920), 16)`` int64 tensor per clip of ``n``
+            samples, in order, on the CPU (upstream's are on its tokenizer's device: both go
+            through ``.to(device)`` in ``generate_voice_clone``): the codes qwen-tts's encoder
+            gives the clip alone, with the server's weights. Tensors of the torch this process
+            has loaded; numpy arrays in a process without torch.
+        Raises:
+            ValueError: before any clip is sent: a path or string, no clip, an array of another
+                type or dtype, ``sr`` missing or not 24000, an empty clip, a sample that is not
+                finite, a clip longer than the server takes, or a server of another codec.
+            NoEncoderError: the server was started without ``--encode``.
+        """
+        if self.tokenizer is not None:
+            more = {} if return_dict else {"return_dict": False}  # what the caller passed
+            return self.tokenizer.encode(audios, sr=sr, **more)
+        wavs = _waveforms(audios, sr)
+        client = self.client
+        limit = client.max_tokens * SAMPLES_PER_FRAME
+        codec = client.codec.name
+        if codec != QWEN3_TTS_12HZ.name:
+            raise ValueError(f"the server {client.name!r} serves {codec}, not {QWEN3_TTS_12HZ.name}: "
+                             "encode on a `serve --codec qwen3-tts-12hz --encode` server")  # fmt: skip
+        for i, wav in enumerate(wavs):
+            try:
+                check_audio_length(len(wav), min_samples=1, max_samples=limit, sample_rate=SAMPLE_RATE,
+                                   name=client.name)  # fmt: skip
+            except ValueError as exc:
+                raise ValueError(f"clip {i}: {exc}") from None
+        calls = [_encode_call(client, wav, self.timeout) for wav in wavs]
+        results = all_in_threads(calls)
+        codes = [_as_tensor(np.stack(result.codes, axis=1).astype(np.int64)) for result in results]
+        return EncodeOutput(codes) if return_dict else (codes,)
+
     def get_model_type(self) -> str:
         """``"qwen3_tts_tokenizer_12hz"``, as qwen-tts's tokenizer answers."""
         return MODEL_TYPE
@@ -129,9 +212,9 @@ class SharedSpeechTokenizer:
         tokenizer = self.__dict__.get("tokenizer")
         if attr.startswith("__") or tokenizer is None:
             raise AttributeError(
-                f"SharedSpeechTokenizer has no {attr!r}: it decodes only; keep qwen-tts's "
-                "tokenizer loaded (install(model) keeps it; SharedSpeechTokenizer(tokenizer=...)) "
-                "for its other methods (voice cloning from reference audio calls encode)"
+                f"SharedSpeechTokenizer has no {attr!r}: it decodes and encodes only; keep "
+                "qwen-tts's tokenizer loaded (install(model) keeps it; "
+                "SharedSpeechTokenizer(tokenizer=...)) for its other attributes"
             )
         return getattr(tokenizer, attr)
 
@@ -148,8 +231,10 @@ def install(model: Any, *, name: str | None = None, client: DecoderClient | None
             ``Qwen3TTSForConditionalGeneration`` it holds (its ``speech_tokenizer``).
         name, client, timeout: as :class:`SharedSpeechTokenizer` (``name`` default
             ``"bicodec-shm"``).
-        keep_tokenizer: keep the original for ``encode`` (voice cloning from reference audio);
-            False drops this reference to it, so that a worker that never encodes can free it.
+        keep_tokenizer: keep the original for ``encode`` (voice cloning from reference audio,
+            in this process) and its other attributes; False drops this reference to it, so that
+            the worker can free every weight of it: encoding goes to the server too (started
+            with ``--encode``).
     Raises:
         ValueError: an object without a speech tokenizer, or one of another type than the 12 Hz
             tokenizer (qwen-tts's 25 Hz tokenizer is not served).
@@ -275,3 +360,53 @@ def _trimmed(row: np.ndarray, i: int) -> np.ndarray:
 def _decode_call(client: DecoderClient, row: np.ndarray, timeout: float | None) -> Callable[[], np.ndarray]:
     levels = np.ascontiguousarray(row.T)  # (n, 16) -> (16, n): one level per codebook
     return lambda: client.decode_codes(levels, dtype="float32", codec=QWEN3_TTS_12HZ.name, timeout=timeout)
+
+
+def _waveforms(audios: Any, sr: Any) -> list[np.ndarray]:
+    """``encode``'s clips as qwen-tts's ``_normalize_audio_inputs`` makes them from numpy
+    arrays (mean over the last axis of a multi-dimensional one, then float32), each checked:
+    1-D, not empty, every sample finite."""
+    if isinstance(audios, (str, bytes)) or (isinstance(audios, (list, tuple)) and audios
+                                            and isinstance(audios[0], (str, bytes))):  # fmt: skip
+        raise ValueError(
+            "encode takes numpy waveforms at 24000 Hz; audio paths, URLs and base64 strings are not "
+            "read here (qwen-tts reads them with librosa and soundfile): load the clip, mix it to "
+            "mono, resample it to 24000 Hz and pass the array with sr=24000"
+        )
+    clips = [audios] if isinstance(audios, np.ndarray) else audios
+    if not isinstance(clips, (list, tuple)):
+        raise ValueError(f"encode takes a numpy waveform or a list of them, got {type(audios).__name__}"
+                         + (" (a torch tensor: pass .cpu().numpy())" if hasattr(audios, "detach") else ""))
+    if not clips:
+        raise ValueError("nothing to encode: no clips")
+    if sr is None:
+        raise ValueError("For numpy waveform input, you must provide `sr` (original sampling rate): "
+                         "sr=24000")  # fmt: skip
+    if isinstance(sr, bool) or not isinstance(sr, (int, np.integer)) or int(sr) != SAMPLE_RATE:
+        raise ValueError(
+            f"sr={sr!r}: the 12 Hz tokenizer encodes {SAMPLE_RATE} Hz audio, and nothing here "
+            f"resamples as qwen-tts does (librosa): resample the clip to {SAMPLE_RATE} Hz first"
+        )
+    wavs = []
+    for i, clip in enumerate(clips):
+        if not isinstance(clip, np.ndarray):
+            raise ValueError(f"clip {i} must be a numpy array, got {type(clip).__name__}")
+        if clip.dtype.kind not in "fiu":
+            raise ValueError(f"clip {i} must hold real samples, got dtype {clip.dtype}")
+        if clip.ndim > 1 and clip.size:
+            clip = np.mean(clip, axis=-1)  # as upstream: channels last
+        try:
+            wavs.append(as_audio(clip.astype(np.float32)))
+        except ValueError as exc:
+            raise ValueError(f"clip {i}: {exc}") from None
+    return wavs
+
+
+def _encode_call(client: DecoderClient, wav: np.ndarray, timeout: float | None) -> Callable[[], Any]:
+    return lambda: client.encode(wav, sample_rate=SAMPLE_RATE, timeout=timeout)
+
+
+def _as_tensor(codes: np.ndarray) -> Any:
+    """``codes`` as a tensor of the torch this process loaded (never importing it), else as is."""
+    torch = sys.modules.get("torch")
+    return codes if torch is None else torch.from_numpy(codes)

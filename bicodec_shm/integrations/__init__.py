@@ -7,8 +7,9 @@
                         snac-24khz`` server
     spark_tts.py        Spark-TTS's audio tokenizer (``BiCodecTokenizer.detokenize``) on a
                         BiCodec server
-    qwen3_tts.py        Qwen3-TTS's speech tokenizer (``Qwen3TTSTokenizer.decode``) on a
-                        ``serve --codec qwen3-tts-12hz`` server
+    qwen3_tts.py        Qwen3-TTS's speech tokenizer (``Qwen3TTSTokenizer.decode``, and
+                        ``encode`` for voice cloning) on a ``serve --codec qwen3-tts-12hz``
+                        server
     inputs.py           what they share: one client per server name, reading upstream's arrays
 
 May import: ``client``, ``codecs``, ``protocol`` and ``errors``; and, only when asked to start a

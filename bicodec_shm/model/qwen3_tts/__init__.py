@@ -4,11 +4,11 @@
 Owns the codec's configs and presets, its convolutional blocks (``layers``), its sliding-window
 transformer (``transformer``), its ``config.json`` + ``model.safetensors`` loader
 (``checkpoint``: each path reads its own half of the folder), the decoder with upstream's chunk
-schedule, the server's decode and encode adapters (``serving``), and the encoder: transformers' ``MimiModel`` as
-qwen-tts's ``Qwen3TTSTokenizerV2Model.encode`` runs it (24 kHz audio -> 16 codebooks at 12.5 Hz,
-``ceil(samples / 1920)`` frames a row), each strided convolution's input filled past every row's
-end so that a row of a padded batch gets its lone encode's codes (``encoder``,
-``encoder_config``, ``encoder_inputs``); checked against qwen-tts's ``encode``.
+schedule, the server's decode and encode adapters (``serving``), and the encoder: transformers'
+``MimiModel`` as qwen-tts's ``Qwen3TTSTokenizerV2Model.encode`` runs it (24 kHz audio -> 16
+codebooks at 12.5 Hz, ``ceil(samples / 1920)`` frames a row), each strided convolution's input
+filled past every row's end so that a row of a padded batch gets its lone encode's codes
+(``encoder``, ``encoder_config``, ``encoder_inputs``); checked against qwen-tts's ``encode``.
 
 May import what every codec shares in ``model`` (``config_values``, ``inputs``, ``precision``,
 ``random_weights``, ``weights``), ``codecs`` (its torch-free layout), ``protocol.slot_io`` (the

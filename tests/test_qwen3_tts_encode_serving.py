@@ -74,14 +74,14 @@ def server(thread_server, shm_name, encoder):
 
 def test_client_processes_encoding_at_once_each_get_their_clips_lone_codes(start_server, shm_name, tmp_path,
                                                                           encoder):  # fmt: skip
-    """``serve --codec qwen3-tts-12hz --encode``, three client processes with three encodes each
+    """``serve --codec qwen3-tts-12hz --encode``, two client processes with three encodes each
     in flight at once: every clip gets its lone ``tokenize``'s codes, as 16 levels that
     ``decode_codes`` takes back as they are (one 1920-sample frame a code)."""
     start_server(*QWEN3, "--encode", "--max-tokens", "100", "--max-wait-ms", "20")
-    outs = [str(tmp_path / f"w{k}.npz") for k in range(3)]
+    outs = [str(tmp_path / f"w{k}.npz") for k in range(2)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
     procs = [subprocess.Popen([sys.executable, WORKER, shm_name, str(20 + k), "3", outs[k]],
-                              cwd=ROOT, env=env) for k in range(3)]  # fmt: skip
+                              cwd=ROOT, env=env) for k in range(2)]  # fmt: skip
     for proc in procs:
         assert proc.wait(120) == 0
     with DecoderClient(shm_name) as client:
@@ -186,3 +186,11 @@ def test_install_without_the_tokenizer_clones_voices_on_the_server_and_frees_its
     full, _ = model.model.speech_tokenizer.decode([{"audio_codes": torch.cat([ref_code, talker[0]])}])
     # The clone decoded these codes (within float rounding: batched with the other row there).
     np.testing.assert_allclose(wavs[0], full[0][len(ref_code) * SPF :], rtol=0, atol=1e-5)
+
+
+def test_encode_for_a_codec_without_an_encoder_is_refused_naming_those_with_one(shm_name, capsys):
+    from bicodec_shm.tools.cli import main
+
+    assert main(["serve", "--codec", "snac-24khz", "--encode", "--name", shm_name]) != 0
+    assert "snac-24khz has no encoder here; the codecs that encode are bicodec, qwen3-tts-12hz" in (
+        capsys.readouterr().err)  # fmt: skip

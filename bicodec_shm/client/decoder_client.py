@@ -267,6 +267,8 @@ class DecoderClient:
         Returns:
             ``EncodedAudio``: for BiCodec ``semantic_ids`` (T,) int32 at 50 per second and
             ``global_ids`` (32,) int32, exactly what ``BiCodecEncoder.tokenize`` gives the clip
+            alone; for qwen3-tts-12hz 16 ``codes`` arrays (one per codebook, ``ceil(N / 1920)``
+            codes each) and no ``global_ids``, what ``Qwen3TTSEncoder.tokenize`` gives the clip
             alone; in general ``codes``, one array per code level, and ``global_ids`` or None.
         Raises:
             ValueError: before anything is written: audio that is not a 1-D float or int16

@@ -1,11 +1,38 @@
-"""Spark-TTS's audio tokenizer for decoding, backed by a shared BiCodec server.
+"""Spark-TTS's audio tokenizer, backed by a shared BiCodec server.
 
 ``SparkTTS.inference`` (Spark-TTS's ``cli/SparkTTS.py``) ends by calling
 ``self.audio_tokenizer.detokenize(global_tokens, semantic_tokens)`` with int64 tensors on the
 model's device, of shapes (1, 32) and (1, T), and returns what it gets: a float32 numpy array of
-shape (320·T,) at 16 kHz, the BiCodec decoder's output as it is (not scaled, not clipped). A
-:class:`SharedAudioTokenizer` answers that call through the server, so Spark-TTS's own code runs
-unchanged after one assignment::
+shape (320·T,) at 16 kHz, the BiCodec decoder's output as it is (not scaled, not clipped). For
+voice cloning it first calls ``self.audio_tokenizer.tokenize(prompt_speech_path)``, which
+returns ``(global_tokens, semantic_tokens)``: (1, 1, 32) int32 and (1, T) int64 tensors.
+
+Workers that hold only their language model: one call before the model is built::
+
+    from bicodec_shm.integrations import spark_tts
+    spark_tts.install("spark-tts")          # the server: bicodec-shm serve --encode ...
+    model = SparkTTS(model_dir, device)     # builds its LLM and a SharedBiCodecTokenizer
+
+``install`` makes the name ``BiCodecTokenizer`` in Spark-TTS's ``cli.SparkTTS`` module (or in
+``spark_tts_lib.SparkTTS``, or a module given) a :class:`SharedBiCodecTokenizer`, so
+``SparkTTS.__init__`` loads neither BiCodec nor wav2vec2 (no file under ``BiCodec/`` or
+``wav2vec2-large-xlsr-53/`` is opened). Its ``tokenize`` reads the prompt wav as Spark-TTS's
+``load_audio`` does (soundfile, the first channel, soxr's "VHQ" resampling to 16 kHz) and has the
+server encode it (``serve --encode``): the server applies the volume normalisation and the
+reference clip of the model folder's ``config.yaml``, as ``BiCodecTokenizer`` does in process.
+Its ``detokenize`` decodes through the server. Voice creation (``gender``/``pitch``/``speed``)
+and voice cloning run through Spark-TTS's own ``inference`` unchanged. :func:`uninstall` puts
+``BiCodecTokenizer`` back.
+
+The clip crosses shared memory as float32 and is normalised in the server from those samples;
+Spark-TTS normalises the float64 samples it read and rounds afterwards. For 16-bit and float
+wav files at 16 kHz both round nothing, and the ids are Spark-TTS's; a resampled prompt may
+differ at float rounding.
+
+What a worker needs for ``tokenize``: ``soundfile`` (reading the wav) and, for prompts not at
+16 kHz, ``soxr`` (resampling); both come with Spark-TTS's own requirements.
+
+Or, for a model built already, one assignment::
 
     model = SparkTTS(model_dir, device)
     model.audio_tokenizer = SharedAudioTokenizer("spark-tts", tokenizer=model.audio_tokenizer)
@@ -19,12 +46,18 @@ row longer than the server's ``--max-tokens`` (1500 by default) is decoded as ov
 windows with the model's whole receptive field as context (client/long_requests.py), sent
 together so that they batch: the audio equals the whole decode up to float rounding.
 
-torch is never imported here: tensors, on any device, are read with ``.detach().cpu().numpy()``.
+torch is never imported here: tensors, on any device, are read with ``.detach().cpu().numpy()``;
+``tokenize`` returns torch tensors where the process has imported torch (a Spark-TTS worker
+has), numpy arrays otherwise.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 import threading
+import types
 from typing import Any
 
 import numpy as np
@@ -34,6 +67,10 @@ from bicodec_shm.client.long_requests import decode_any_length
 from bicodec_shm.integrations.inputs import integer_array
 
 N_GLOBAL = 32
+SAMPLE_RATE = 16000  # BiCodec's, the rate Spark-TTS's load_audio resamples prompts to
+# Where Spark-TTS's SparkTTS class looks up BiCodecTokenizer: its repository's cli/SparkTTS.py,
+# and the same file as PyPI's spark-tts-lib packages it.
+SPARK_TTS_MODULES = ("cli.SparkTTS", "spark_tts_lib.SparkTTS")
 
 
 class SharedAudioTokenizer:
@@ -125,3 +162,153 @@ def _rows(values: Any, what: str) -> np.ndarray:
     if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError(f"{what} must be 2-D, (B, N) with B, N >= 1, got shape {arr.shape}")
     return arr
+
+
+class SharedBiCodecTokenizer(SharedAudioTokenizer):
+    """Spark-TTS's ``BiCodecTokenizer`` (``tokenize`` and ``detokenize``) through the server
+    ``name``, loading no model: what :func:`install` makes ``SparkTTS`` build.
+
+    Args:
+        model_dir: the Spark-TTS model folder, kept as ``model_dir`` and never read (the server
+            loaded it: ``bicodec-shm serve --encode --model-dir``).
+        device: where ``tokenize``'s tensors are put (Spark-TTS passes its model's device).
+        name, client, timeout: as for :class:`SharedAudioTokenizer`.
+    """
+
+    def __init__(self, model_dir: Any = None, device: Any = None, *, name: str = "bicodec-shm",
+                 client: DecoderClient | None = None, timeout: float | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(name, client=client, timeout=timeout)
+        self.model_dir = model_dir
+        self.device = device
+
+    def tokenize(self, audio_path: Any) -> tuple[Any, Any]:
+        """Encode a prompt wav as ``BiCodecTokenizer.tokenize`` does.
+
+        Args:
+            audio_path: a path (str or ``os.PathLike``) or an open file soundfile reads.
+        Returns:
+            ``(global_tokens, semantic_tokens)``: (1, 1, 32) int32 and (1, T) int64, T = 50 per
+            second of 16 kHz audio; torch tensors on ``device`` where the process has imported
+            torch, numpy arrays otherwise.
+        Raises:
+            ValueError: a file soundfile cannot read, no samples, a NaN or infinite sample, or a
+                clip shorter than the encoder takes or longer than the server's slots hold.
+            NoEncoderError: the server was started without ``--encode``.
+        """
+        wav = read_prompt(audio_path)
+        encoded = self.client.encode(wav, sample_rate=SAMPLE_RATE, timeout=self.timeout)
+        global_ids = np.asarray(encoded.global_ids, dtype=np.int32).reshape(1, 1, N_GLOBAL)
+        semantic = np.asarray(encoded.semantic_ids, dtype=np.int64).reshape(1, -1)
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return global_ids, semantic
+        out = (torch.from_numpy(global_ids), torch.from_numpy(semantic))
+        return out if self.device is None else tuple(t.to(self.device) for t in out)
+
+    def __getattr__(self, attr: str) -> Any:
+        raise AttributeError(
+            f"SharedBiCodecTokenizer has no {attr!r}: it loads no model and answers tokenize "
+            "and detokenize through the server"
+        )
+
+    def __repr__(self) -> str:
+        return f"<SharedBiCodecTokenizer name={self.name!r} model_dir={self.model_dir!r}>"
+
+
+def read_prompt(audio_path: Any) -> np.ndarray:
+    """A prompt wav as Spark-TTS's ``load_audio`` reads it, before volume normalisation: float64
+    samples of the first channel, resampled to 16 kHz by soxr ("VHQ") where the file has
+    another rate. ValueError for a file it cannot read, no samples or a non-finite sample."""
+    try:
+        import soundfile
+    except ImportError:
+        raise ImportError(
+            "SharedBiCodecTokenizer.tokenize reads the prompt wav with soundfile: "
+            "pip install soundfile"
+        ) from None
+    where = os.fspath(audio_path) if isinstance(audio_path, (str, os.PathLike)) else "the prompt"
+    try:
+        audio, sr = soundfile.read(audio_path)
+    except Exception as err:  # soundfile's LibsndfileError, TypeError, OSError: all "unreadable"
+        raise ValueError(f"cannot read {where!r} as audio: {err}") from None
+    audio = np.asarray(audio, dtype=np.float64)
+    if audio.ndim > 1:
+        audio = audio[:, 0]  # Spark-TTS keeps the first channel
+    if audio.size == 0:
+        raise ValueError(f"{where!r} holds no audio samples")
+    if not np.isfinite(audio).all():
+        raise ValueError(f"{where!r} holds a NaN or infinite sample")
+    if sr != SAMPLE_RATE:
+        try:
+            import soxr
+        except ImportError:
+            raise ImportError(
+                f"{where!r} is at {sr} Hz: resampling it to {SAMPLE_RATE} Hz as Spark-TTS does "
+                "needs soxr: pip install soxr"
+            ) from None
+        audio = soxr.resample(audio, sr, SAMPLE_RATE, quality="VHQ")
+        if audio.size == 0:
+            raise ValueError(f"{where!r} is too short to resample to {SAMPLE_RATE} Hz")
+    return audio
+
+
+_installed: dict[str, tuple[types.ModuleType, Any]] = {}
+
+
+def install(name: str = "bicodec-shm", *, module: str | types.ModuleType | None = None,
+            client: DecoderClient | None = None, timeout: float | None = None) -> None:  # fmt: skip
+    """Make ``SparkTTS(model_dir, device)`` build a :class:`SharedBiCodecTokenizer` on the
+    server ``name`` in place of ``BiCodecTokenizer``: its constructor loads no model.
+
+    Args:
+        name: the server's segment name (``bicodec-shm serve --encode --name``).
+        module: the module ``SparkTTS`` is defined in (a name or the module); default: the
+            first of ``cli.SparkTTS`` (Spark-TTS's repository) and ``spark_tts_lib.SparkTTS``
+            (PyPI's spark-tts-lib) that imports.
+        client: one ``DecoderClient`` for every tokenizer built (default: each makes its own).
+        timeout: seconds one encode or decode may take.
+    Raises:
+        ImportError: no such module imports.
+        ValueError: the module has no ``BiCodecTokenizer`` to replace.
+    """
+    target = _spark_module(module)
+    original = _installed[target.__name__][1] if target.__name__ in _installed else None
+    if original is None:
+        original = getattr(target, "BiCodecTokenizer", None)
+        if original is None:
+            raise ValueError(
+                f"{target.__name__} has no BiCodecTokenizer: pass module= the module that "
+                "defines SparkTTS"
+            )
+
+    def shared_tokenizer(model_dir: Any = None, device: Any = None, **kwargs: Any):
+        return SharedBiCodecTokenizer(model_dir, device, name=name, client=client,
+                                      timeout=timeout, **kwargs)  # fmt: skip
+
+    shared_tokenizer.__doc__ = SharedBiCodecTokenizer.__doc__
+    target.BiCodecTokenizer = shared_tokenizer
+    _installed[target.__name__] = (target, original)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: ``SparkTTS`` builds Spark-TTS's own ``BiCodecTokenizer`` again."""
+    while _installed:
+        _, (target, original) = _installed.popitem()
+        target.BiCodecTokenizer = original
+
+
+def _spark_module(module: str | types.ModuleType | None) -> types.ModuleType:
+    if isinstance(module, types.ModuleType):
+        return module
+    names = SPARK_TTS_MODULES if module is None else (module,)
+    errors = []
+    for candidate in names:
+        try:
+            return importlib.import_module(candidate)
+        except ImportError as err:
+            errors.append(f"{candidate}: {err}")
+    raise ImportError(
+        "cannot import Spark-TTS's SparkTTS module (" + "; ".join(errors) + "): run from "
+        "Spark-TTS's repository, or pass module="
+    )

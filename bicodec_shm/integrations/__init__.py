@@ -5,8 +5,8 @@
     orpheus_tts.py      Orpheus TTS's streaming decoder (``orpheus_tts.decoder``'s
                         ``tokens_decoder`` and ``tokens_decoder_sync``) on a ``serve --codec
                         snac-24khz`` server
-    spark_tts.py        Spark-TTS's audio tokenizer (``BiCodecTokenizer.detokenize``) on a
-                        BiCodec server
+    spark_tts.py        Spark-TTS's audio tokenizer (``BiCodecTokenizer.detokenize``, and with
+                        ``install()`` its ``tokenize`` too, no model loaded) on a BiCodec server
     qwen3_tts.py        Qwen3-TTS's speech tokenizer (``Qwen3TTSTokenizer.decode``, and
                         ``encode`` for voice cloning) on a ``serve --codec qwen3-tts-12hz``
                         server

@@ -8,7 +8,10 @@ upstream's ``BiCodecTokenizer.tokenize`` returned for four prompt wavs on tiny r
 cannot be imported beside this project's torch (its BiCodec needs torchaudio, which pins another
 torch release), so the ``SparkTTS`` these workers build is a stand-in with upstream's shape: a
 module-level ``BiCodecTokenizer`` that ``_initialize_inference`` calls with
-``(model_dir, device=...)``, and that opens the model folder's weights.
+``(model_dir, device=...)``, and that opens the model folder's weights. Upstream's whole
+``SparkTTS.inference`` is held to through ``tests/fixtures/spark_inference_reference.npz``: its
+script ran upstream's ``inference`` with its own tokenizer and, after ``install()``, against a
+server (ids equal, audio within 1e-5), and the last test here answers the same calls.
 """
 
 from __future__ import annotations
@@ -204,3 +207,49 @@ def test_install_names_what_it_cannot_find(tmp_path, monkeypatch):
         spark_tts.install("x", module="nospark")
     with pytest.raises(ImportError, match="cannot import Spark-TTS's SparkTTS module"):
         spark_tts.install("x", module="no_such_spark_module")
+
+
+INFERENCE = os.path.join(TESTS, "fixtures", "spark_inference_reference.npz")
+INFERENCE_MAKER = os.path.join(TESTS, "fixtures", "make_spark_inference_reference.py")
+
+
+def test_spark_tts_inference_on_the_shared_tokenizer_gets_upstreams_ids_and_audio(
+        thread_server, shm_name, reference, model, model_folder, tmp_path):  # fmt: skip
+    """``fixtures/spark_inference_reference.npz``: upstream's own ``SparkTTS.inference``, voice
+    cloning and voice creation, on these codec weights and a tiny language model (its script
+    also ran it after install() against a server: every id equal, the audio within 1e-5). Here
+    a server on the same weights answers what inference asks of its tokenizer: ``tokenize`` of
+    the prompt gives upstream's tensors, and ``detokenize`` of what upstream's inference passed
+    gives its waveform within 1e-5."""
+    import importlib.util
+    import shutil
+
+    from bicodec_shm.model import BiCodecDecoder
+
+    spec = importlib.util.spec_from_file_location("make_spark_inference_reference", INFERENCE_MAKER)
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    with np.load(INFERENCE) as data:
+        ran = {k: data[k] for k in data.files}
+    folder = tmp_path / "Spark-TTS-tiny"
+    shutil.copytree(model_folder, folder)  # the encode fixture's folder, as the script writes it
+    maker.scale_last_conv(folder)
+    thread_server(BiCodecDecoder.from_pretrained(folder / "BiCodec"), encoder=model, max_tokens=200,
+                  min_fill=0.0)  # fmt: skip
+    prompt = str(tmp_path / "prompt.wav")
+    SOUNDFILE.write(prompt, reference[f"wave/{maker.PROMPT_WAVE}/input"].astype(np.float32), 16000,
+                    subtype="FLOAT")  # fmt: skip
+    tok = SharedBiCodecTokenizer(folder, torch.device("cpu"), name=shm_name, timeout=60)
+    global_ids, semantic = tok.tokenize(prompt)
+    for mine, key in ((global_ids, "clone/tokenize_global"), (semantic, "clone/tokenize_semantic")):
+        assert (mine.numpy().dtype, tuple(mine.shape)) == (ran[key].dtype, ran[key].shape), key
+        np.testing.assert_array_equal(mine.numpy(), ran[key], err_msg=key)
+    # inference passes global_token_ids.to(device).squeeze(0) on: upstream's was this one
+    np.testing.assert_array_equal(global_ids.squeeze(0).numpy(), ran["clone/detok_global"])
+    for task in ("clone", "create"):
+        wav = tok.detokenize(torch.from_numpy(ran[f"{task}/detok_global"]),
+                             torch.from_numpy(ran[f"{task}/detok_semantic"]))  # fmt: skip
+        theirs = ran[f"{task}/wav"]
+        assert (wav.dtype, wav.shape) == (theirs.dtype, theirs.shape), task
+        assert np.abs(wav - theirs).max() <= 1e-5, (task, float(np.abs(wav - theirs).max()))
+        assert float(ran[f"shared/{task}/max_abs_diff"]) <= 1e-5

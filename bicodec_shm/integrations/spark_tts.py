@@ -27,7 +27,9 @@ and voice cloning run through Spark-TTS's own ``inference`` unchanged. :func:`un
 The clip crosses shared memory as float32 and is normalised in the server from those samples;
 Spark-TTS normalises the float64 samples it read and rounds afterwards. For 16-bit and float
 wav files at 16 kHz both round nothing, and the ids are Spark-TTS's; a resampled prompt may
-differ at float rounding.
+differ at float rounding. In process, Spark-TTS's wav2vec2 draws from torch's global random
+generator (one ``torch.rand`` per layer, in eval mode too); the shared tokenizer draws nothing,
+so under one ``torch.manual_seed`` voice cloning samples other speech than an in-process run.
 
 What a worker needs for ``tokenize``: ``soundfile`` (reading the wav) and, for prompts not at
 16 kHz, ``soxr`` (resampling); both come with Spark-TTS's own requirements.

@@ -253,3 +253,18 @@ def test_spark_tts_inference_on_the_shared_tokenizer_gets_upstreams_ids_and_audi
         assert (wav.dtype, wav.shape) == (theirs.dtype, theirs.shape), task
         assert np.abs(wav - theirs).max() <= 1e-5, (task, float(np.abs(wav - theirs).max()))
         assert float(ran[f"shared/{task}/max_abs_diff"]) <= 1e-5
+
+
+def test_serve_loads_a_spark_tts_folder_with_its_own_config_yaml(model_folder):
+    """``serve --model-dir pretrained_models/Spark-TTS-0.5B --encode``: the folder has a
+    config.yaml of its own beside BiCodec/ (as released); the decoder is BiCodec/'s."""
+    import argparse
+
+    from bicodec_shm.model.bicodec.checkpoint import codec_in, find_folder
+    from bicodec_shm.tools.model_args import load_decoder
+
+    assert (model_folder / "config.yaml").is_file() and find_folder(model_folder) == model_folder / "BiCodec"
+    assert codec_in(model_folder) == "bicodec"
+    args = argparse.Namespace(model_dir=str(model_folder), device="cpu", threads=None, preset=None,
+                              seed=0, codec="bicodec")  # fmt: skip
+    assert load_decoder(args, announce=False).config.semantic_vocab == 1024

@@ -28,8 +28,9 @@ SUBFOLDER = "BiCodec"
 def find_folder(path: str | os.PathLike[str]) -> Path:
     """The BiCodec folder for ``path``: itself, or its ``BiCodec/`` subfolder (a model folder)."""
     folder = existing_folder(path)
-    has_own = any((folder / name).exists() for name in (CONFIG_FILE, WEIGHTS_FILE))
-    if not has_own and (folder / SUBFOLDER).is_dir():
+    # A Spark-TTS model folder has a config.yaml of its own (sample rate, reference clip) beside
+    # BiCodec/: without weights of its own, BiCodec/ is the one.
+    if not (folder / WEIGHTS_FILE).exists() and (folder / SUBFOLDER).is_dir():
         folder = folder / SUBFOLDER
     missing = [str(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / n).is_file()]
     if missing:

@@ -379,7 +379,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_lane_tuner.py", "-k", "queued"),
     m("server-counts-no-queue", "the server does not tell the tuner how many requests a plan found",
       "bicodec_shm/server/server.py",
-      "batch.queued = len(ready)", "batch.queued = 0",
+      "batch.queued = len(everything)", "batch.queued = 0",
       "tests/test_lane_tuner.py", "-k", "one-row-batches"),
     m("load-read-on-narrow-lanes", "a fresh CPU server reads its load on two one-thread lanes, so "
       "one client's first requests decode on half the cores",

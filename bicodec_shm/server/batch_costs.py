@@ -33,8 +33,9 @@ costs more than a lone decode even unpadded, nothing is batched. The static poli
 
 On a CPU lane one more bound holds: every row of a batch waits for the whole of it, and an
 extra row there costs nearly a lone decode, so a batch may take at most ``LATENCY_FACTOR`` times
-what its most urgent row (the one due soonest) takes alone, unless that row's due time leaves
-more. A device batches every row that pays: a batch there costs little more than a row.
+what its most urgent row (the one due soonest) takes alone, however much time that row has left:
+slack spent filling one lane's batch is slack the next window, due sooner, would have needed. A
+device batches every row that pays: a batch there costs little more than a row.
 
 Measuring needs batches: while a fit lacks batched samples, or when none was decoded for
 ``probe_every`` batches, one plan in two (then one) is a *probe*, the static policy's batch cut
@@ -68,11 +69,12 @@ WINDOW = 48  # recent samples of each kind (lone, batched) the fit uses
 MIN_SAMPLES = 8  # samples before a fit is trusted ...
 MIN_BATCHED = 3  # ... of which batched ones
 PROBE_EVERY = 32  # batches without a batched sample before the next probe
-# A CPU lane's batch takes at most this many times its most urgent row's lone decode, or until
-# that row is due if that is later. 16 Orpheus streams on 2 cores (tiny SNAC, a window every
-# 140 ms with ~30 ms of slack at its second chunk): with every row that pays in one batch (up to
-# ~75 ms), 54 and 12 late chunks of 960 in two runs; batches of at most 2 rows, 8 and 3
-# (benchmarks/RESULTS.md).
+# A CPU lane's batch takes at most this many times its most urgent row's lone decode. 16 Orpheus
+# streams on 2 cores (tiny SNAC, a window every 140 ms with ~30 ms of slack at its second chunk):
+# with every row that pays in one batch (up to ~75 ms), 54 and 12 late chunks of 960 in two runs;
+# batches of at most 2 rows, 8 and 3 (benchmarks/RESULTS.md). Letting the urgent row's slack
+# stretch the bound measured worse (38-43): a lane filled up to a row's 170 ms of slack while
+# the next window had 30.
 LATENCY_FACTOR = 2.0
 _N_PARAMS = 5
 
@@ -295,20 +297,17 @@ class BatchPlanner:
         prior_batches: before any fit, batch as the static policy does (a device); else decode
             rows alone between probes (a CPU).
         latency_bound: a measured batch takes at most ``LATENCY_FACTOR`` times its most urgent
-            row's lone decode, or until that row is due (CPU lanes; module docstring).
-        clock: CLOCK_MONOTONIC nanoseconds, the clock of the due times (tests step it).
+            row's lone decode (CPU lanes; module docstring).
     """
 
     def __init__(self, *, max_batch: int, max_batch_tokens: int | None, min_fill: float,
-                 measured: bool, prior_batches: bool, latency_bound: bool = False,
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:  # fmt: skip
+                 measured: bool, prior_batches: bool, latency_bound: bool = False) -> None:  # fmt: skip
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self.min_fill = min_fill
         self.measured = measured
         self.prior_batches = prior_batches
         self.latency_bound = latency_bound
-        self._clock = clock
         self.costs = BatchCosts(min_fill=min_fill)
         self.plans = 0
         self.probes = 0  # probe batches planned (tests, logs)

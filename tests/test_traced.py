@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from bicodec_shm.client.decoder_client import DecoderClient
+from bicodec_shm.model.bicodec.decoder import BiCodecDecoder
 from bicodec_shm.model.qwen3_tts import Qwen3TTSDecoder
 from bicodec_shm.model.snac import SNACDecoder
 from bicodec_shm.model.snac.serving import UnpaddedForward
 from bicodec_shm.model.traced import TracedForward, take_warmup_ns
+from bicodec_shm.server.adapters import BiCodecAdapter
 from bicodec_shm.server.batch_costs import BatchCosts
 from bicodec_shm.server.lane_tuner import LaneTuner
 
@@ -87,6 +89,41 @@ def test_snac_batches_without_padding_through_graphs_equal_the_eager_decode(pres
     assert len(graphs.graphs) == (4 if windowed else 2) and not graphs.failed
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_bicodec_batches_without_padding_through_the_graph_equal_the_eager_decode(dtype):
+    """One graph for every unpadded shape (whole utterances of one length arrive together); a
+    padded batch (a mask) decodes eagerly and leaves the graph unused; the server's adapter
+    hands the graph to the decoder."""
+    decoder = BiCodecDecoder.from_config("tiny", seed=0, dtype=dtype)
+    adapter = BiCodecAdapter(decoder)
+    graphs = adapter.unpadded_forward
+    assert isinstance(graphs, TracedForward) and not graphs.graphs
+    g = torch.Generator().manual_seed(0)
+    for batch, frames, lengths in [(1, 150, None), (3, 41, None), (2, 1, None), (2, 30, [30, 17])]:
+        semantic = torch.randint(0, decoder.config.semantic_vocab, (batch, frames), generator=g)
+        global_ids = torch.randint(0, decoder.config.global_vocab, (batch, 32), generator=g)
+        lens = None if lengths is None else torch.tensor(lengths)
+        eager = decoder.detokenize(semantic, global_ids, lens)
+        graphed = decoder.detokenize(semantic, global_ids, lens, unpadded_forward=graphs)
+        assert torch.equal(graphed, eager), (batch, frames, lengths)
+    assert len(graphs.graphs) == 1 and not graphs.failed
+
+
+def test_a_bicodec_servers_cpu_lanes_decode_through_the_graph(thread_server):
+    """Through a real server: a lone request (no padding) is decoded by the graph, and gives
+    the lone eager decode."""
+    decoder = BiCodecDecoder.from_config("tiny", seed=0)
+    server = thread_server(decoder)
+    rng = np.random.default_rng(0)
+    semantic, global_ids = rng.integers(0, 8192, 40), rng.integers(0, 4096, 32)
+    with DecoderClient(server.name) as client:
+        audio = client.decode(semantic, global_ids, dtype="float32")
+    graphs = BiCodecAdapter(decoder).unpadded_forward
+    assert len(graphs.graphs) == 1 and not graphs.failed  # the server's lane traced it
+    lone = decoder.detokenize(torch.from_numpy(semantic)[None], torch.from_numpy(global_ids)[None])
+    np.testing.assert_array_equal(audio, lone[0].numpy())
+
+
 def test_a_branch_on_a_size_needs_its_own_graph():
     """Why SNAC's graphs are keyed: one traced where the length fills the attention's windows
     (no mask) gives other audio for a length that does not; keyed by branch, both are exact."""
@@ -106,6 +143,8 @@ def test_the_lanes_of_a_decoder_share_its_graphs():
     assert decoder.codec_adapter().unpadded_forward is decoder.codec_adapter().unpadded_forward
     qwen3 = Qwen3TTSDecoder.from_config("tiny", seed=0)
     assert qwen3.codec_adapter().window_decoder is qwen3.codec_adapter().window_decoder
+    bicodec = BiCodecDecoder.from_config("tiny", seed=0)
+    assert BiCodecAdapter(bicodec).unpadded_forward is BiCodecAdapter(bicodec).unpadded_forward
     other = SNACDecoder.from_config("tiny-24khz", seed=0)
     assert other.codec_adapter().unpadded_forward is not decoder.codec_adapter().unpadded_forward
 

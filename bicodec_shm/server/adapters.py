@@ -88,9 +88,16 @@ class BiCodecAdapter:
             level_vocab=(int(getattr(config, "semantic_vocab", BICODEC.level_vocab[0])),),
             global_vocab=int(getattr(config, "global_vocab", BICODEC.global_vocab)),
         )
+        # On a CPU the lanes decode a batch without padding (every lone request, every batch of
+        # equal lengths) through a graph that runs without the GIL, so lanes decode at once as
+        # processes would (model/traced.py); one per decoder, all lanes'. A test double or a
+        # decoder on a device has none.
+        self.unpadded_forward = _cpu_lane_graphs(decoder)
 
     def detokenize(self, batch: Batch) -> torch.Tensor:
-        return self.decoder.detokenize(*self._tensors(batch))
+        if self.unpadded_forward is None:
+            return self.decoder.detokenize(*self._tensors(batch))
+        return self.decoder.detokenize(*self._tensors(batch), unpadded_forward=self.unpadded_forward)
 
     def launch(self, batch: Batch) -> tuple[torch.Tensor, Any]:
         """An asynchronous decoder's launch: (output, event to ``synchronize()``)."""
@@ -100,6 +107,16 @@ class BiCodecAdapter:
     def _tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (torch.from_numpy(batch.semantic), torch.from_numpy(batch.global_ids),
                 torch.from_numpy(batch.lengths))  # fmt: skip
+
+
+def _cpu_lane_graphs(decoder: Any) -> Any:
+    """The traced forward the CPU lanes of a ``BiCodecDecoder`` share, else None."""
+    from ..model.bicodec.decoder import BiCodecDecoder  # not imported by servers of other codecs
+    from ..model.traced import TracedForward, cpu_lane_graphs
+
+    if not isinstance(decoder, BiCodecDecoder):
+        return None
+    return cpu_lane_graphs(decoder, lambda: TracedForward(decoder))
 
 
 def codec_adapter(decoder: Any) -> CodecAdapter:

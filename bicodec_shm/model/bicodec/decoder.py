@@ -7,7 +7,7 @@ Submodule names follow the Spark-TTS checkpoint (``quantizer``, ``speaker_encode
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,7 @@ class BiCodecDecoder(nn.Module):
         lengths: IdsLike | Sequence[int] | None = None,
         *,
         mask: bool = True,
+        unpadded_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Decode a right-padded batch; each row's audio is exactly its unpadded decode.
 
@@ -147,6 +148,9 @@ class BiCodecDecoder(nn.Module):
             lengths: (B,) valid tokens per row, each in ``[1, T]``; None means all T.
             mask: zero each row's padding before every time-mixing conv. False lets padding leak
                 into the last ~350 ms of short rows (for benchmarks); the tail is zeroed anyway.
+            unpadded_forward: what decodes a batch whose rows all have length T, ``(semantic,
+                global) -> (B, 1, hop·T)`` as ``forward`` without a mask; None: this module.
+                The server's CPU lanes pass a traced graph of it (model/traced.py).
 
         Returns:
             float32 audio (B, hop·T) in (-1, 1) on the model's device; row i is 0 from
@@ -166,7 +170,11 @@ class BiCodecDecoder(nn.Module):
         if lens is not None and mask:
             time_mask = TimeMask(lens, n_frames, self.decoder.time_factors, dtype=self.dtype,
                                  shortest=shortest)  # fmt: skip
-        audio = self(to_device(semantic, device), to_device(glob, device), time_mask)
+        semantic, glob = to_device(semantic, device), to_device(glob, device)
+        if unpadded_forward is not None and lens is None:
+            audio = unpadded_forward(semantic, glob)
+        else:
+            audio = self(semantic, glob, time_mask)
         audio = audio[:, 0].float()  # (B, 1, N) -> (B, N)
         if lens is not None:
             ends = lens[:, None] * self.config.hop_length  # (B, 1)

@@ -462,6 +462,13 @@ MUTANTS: tuple[Mutant, ...] = (
       "            _WARMUP.ns = getattr(_WARMUP, \"ns\", 0) + time.perf_counter_ns() - t0",
       "        finally:\n            pass",
       "tests/test_traced.py", "-k", "warm_up"),
+    m("bicodec-lanes-eager", "a BiCodec server's CPU lanes decode eagerly (no graph: they take turns "
+      "on the GIL)", "bicodec_shm/server/adapters.py",
+      "        if self.unpadded_forward is None:\n", "        if True:\n",
+      "tests/test_traced.py", "-k", "bicodec_servers_cpu_lanes"),
+    m("bicodec-graph-on-padded-rows", "a padded BiCodec batch goes through the unpadded graph (no mask)",
+      "bicodec_shm/model/bicodec/decoder.py", "if unpadded_forward is not None and lens is None:",
+      "if unpadded_forward is not None:", "tests/test_traced.py", "-k", "bicodec_batches"),
     # -- the encode direction (audio in, codes back) ---------------------------------------------
     m("encode-rows-batched-with-decodes", "a plan takes encode and decode rows into one forward pass",
       "bicodec_shm/server/encoding.py", "    if not encodes.any():\n        return ready, False",

@@ -1,21 +1,31 @@
-"""What a worker holds and waits for when it encodes voice-clone prompts: a BiCodec tokenizer of
+"""What a worker holds and waits for when it encodes voice-clone prompts: a speech tokenizer of
 its own, against a client of one shared ``bicodec-shm serve --encode``.
 
-A Spark-TTS worker builds a ``BiCodecTokenizer``: BiCodec's encoder, quantizer, speaker encoder
-and decoder, and wav2vec2-large-xlsr-53. Here each of N worker processes either builds the same
-networks (``own``: ``BiCodecEncoder`` and ``BiCodecDecoder`` at the preset's size, random
-weights) and encodes with them, or holds only a ``DecoderClient`` (``shared``: numpy and
-posix_ipc, no torch) of one server started for the run. Every worker encodes ``--clips`` clips of
-``--seconds`` seconds one after another, all workers at once. Per mode and N the table gives a
-worker's resident memory (mean over the workers, after its model is loaded and after its clips:
-the peak), the server's, all of it together, encode latency (p50, p95) and clips per second.
+Two codecs (``--codec``, one or both):
 
-    python benchmarks/bench_encode.py                           # full size, 1 4 16 workers
+- ``bicodec``: a Spark-TTS worker builds a ``BiCodecTokenizer``: BiCodec's encoder, quantizer,
+  speaker encoder and decoder, and wav2vec2-large-xlsr-53. ``own`` builds ``BiCodecEncoder`` and
+  ``BiCodecDecoder``; clips are 16 kHz.
+- ``qwen3-tts-12hz``: a Qwen3-TTS worker (qwen-tts's ``Qwen3TTSModel``) holds a
+  ``Qwen3TTSTokenizer``: the Mimi-based 12 Hz encoder and the decoder. ``own`` builds
+  ``Qwen3TTSEncoder`` and ``Qwen3TTSDecoder``; clips are 24 kHz.
+
+Each of N worker processes either builds its codec's networks (``own``: at the preset's size,
+random weights) and encodes with them, or holds only a ``DecoderClient`` (``shared``: numpy and
+posix_ipc, no torch) of one server started for the run with that codec and ``--encode``. Every
+worker encodes ``--clips`` clips of ``--seconds`` seconds one after another, all workers at once.
+Per codec, mode and N the table gives a worker's resident memory (mean over the workers, after its
+model is loaded and after its clips: the peak), the server's, all of it together, encode latency
+(p50, p95) and clips per second.
+
+    python benchmarks/bench_encode.py                           # BiCodec, full size, 1 4 16 workers
+    python benchmarks/bench_encode.py --codec qwen3-tts-12hz    # Qwen3-TTS's 12 Hz tokenizer
+    python benchmarks/bench_encode.py --codec bicodec qwen3-tts-12hz --memory-gib 14
     python benchmarks/bench_encode.py --preset tiny --workers 1 4 --json encode.json
 
-N own workers at full size need N times a tokenizer's memory: a count whose estimate (from the
-largest count run so far) exceeds the memory available is skipped and says so. Progress goes to
-stderr, one line per run.
+N own workers at full size need N times a tokenizer's memory: a count whose estimate (from that
+codec's largest own worker run so far) exceeds the memory allowed (``--memory-gib``, default 0.8 of
+what is available) is skipped and says so. Progress goes to stderr, one line per run.
 """
 
 from __future__ import annotations
@@ -35,45 +45,69 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bicodec_shm.codecs.layout import LAYOUTS  # noqa: E402
 from examples.dropin_load import start_server, stop_server  # noqa: E402
 
-SAMPLE_RATE = 16000
 MIB = 2**20
+CODECS = ("bicodec", "qwen3-tts-12hz")
+# --preset -> each codec's model preset (the names serve --preset and from_config take).
+PRESETS = {
+    "full": {"bicodec": "spark-tts-0.5b", "qwen3-tts-12hz": "qwen3-tts-12hz"},
+    "tiny": {"bicodec": "tiny", "qwen3-tts-12hz": "tiny-12hz"},
+}
+FEW_ENCODES = 20  # a p95 over fewer encodes than this is about their largest one
 
 
-def clip(index: int, seconds: float) -> np.ndarray:
-    """A voice-clone prompt stand-in: ``seconds`` of seeded noise at 16 kHz, float32."""
-    return np.random.default_rng(index).uniform(-0.5, 0.5, int(seconds * SAMPLE_RATE)).astype(np.float32)
+def sample_rate(codec: str) -> int:
+    """The rate the codec's encoder takes: BiCodec 16 kHz, Qwen3-TTS 12 Hz 24 kHz."""
+    return LAYOUTS[codec].sample_rate
 
 
-def own_encoder(preset: str, threads: int):
-    """What a Spark-TTS worker's ``BiCodecTokenizer`` holds: encoder and decoder."""
+def clip(index: int, seconds: float, rate: int = 16000) -> np.ndarray:
+    """A voice-clone prompt stand-in: ``seconds`` of seeded noise at ``rate`` Hz, float32."""
+    return np.random.default_rng(index).uniform(-0.5, 0.5, int(seconds * rate)).astype(np.float32)
+
+
+def own_encoder(codec: str, preset: str, threads: int):
+    """What a worker's own tokenizer holds, encoder and decoder (random weights of ``preset``):
+    Spark-TTS's ``BiCodecTokenizer`` or Qwen3-TTS's ``Qwen3TTSTokenizer``. Returns the encode
+    call (one clip at the codec's rate) and the decoder, which the worker only holds."""
     import torch
 
-    from bicodec_shm.model.bicodec.decoder import BiCodecDecoder
-    from bicodec_shm.model.bicodec.tokenizer import BiCodecEncoder
-
     torch.set_num_threads(threads)
-    encoder = BiCodecEncoder.from_config(preset, seed=0)
-    decoder = BiCodecDecoder.from_config(preset, seed=0)
-    return lambda audio: encoder.tokenize(audio[None]), decoder
+    if codec == "bicodec":
+        from bicodec_shm.model.bicodec.decoder import BiCodecDecoder
+        from bicodec_shm.model.bicodec.tokenizer import BiCodecEncoder
+
+        encoder = BiCodecEncoder.from_config(preset, seed=0)
+        decoder = BiCodecDecoder.from_config(preset, seed=0)
+        return lambda audio: encoder.tokenize(audio[None]), decoder
+    if codec == "qwen3-tts-12hz":
+        from bicodec_shm.model.qwen3_tts.decoder import Qwen3TTSDecoder
+        from bicodec_shm.model.qwen3_tts.encoder import Qwen3TTSEncoder
+
+        encoder = Qwen3TTSEncoder.from_config(preset, seed=0)
+        decoder = Qwen3TTSDecoder.from_config(preset, seed=0)
+        return lambda audio: encoder.tokenize(audio[None], sample_rate=sample_rate(codec)), decoder
+    raise ValueError(f"no own tokenizer for {codec}; the codecs here are {', '.join(CODECS)}")
 
 
 def worker(index: int, settings: dict, barrier, results) -> None:
+    rate = settings["rate"]
     try:
         if settings["mode"] == "own":
-            encode, _decoder = own_encoder(settings["preset"], settings["threads"])
+            encode, _decoder = own_encoder(settings["codec"], settings["preset"], settings["threads"])
         else:
             from bicodec_shm import DecoderClient
 
             client = DecoderClient(settings["name"])
-            encode = lambda audio: client.encode(audio, timeout=600)  # noqa: E731
-        encode(clip(10_000 + index, 1.0))  # the first encode pays for allocation
+            encode = lambda audio: client.encode(audio, sample_rate=rate, timeout=600)  # noqa: E731
+        encode(clip(10_000 + index, 1.0, rate))  # the first encode pays for allocation
         loaded = psutil.Process().memory_info().rss
         barrier.wait(900)
         latencies = []
         for k in range(settings["clips"]):
-            audio = clip(index * 1000 + k, settings["seconds"])
+            audio = clip(index * 1000 + k, settings["seconds"], rate)
             t0 = time.perf_counter()
             encode(audio)
             latencies.append(time.perf_counter() - t0)
@@ -84,18 +118,20 @@ def worker(index: int, settings: dict, barrier, results) -> None:
         raise
 
 
-def run(mode: str, workers: int, args: argparse.Namespace) -> dict:
+def run(codec: str, mode: str, workers: int, args: argparse.Namespace) -> dict:
     name = f"bcshm-bench-encode-{secrets.token_hex(6)}"
+    preset = PRESETS[args.preset][codec]
     server = None
     if mode == "shared":
-        options = ["--encode", "--preset", args.preset, "--threads", str(os.cpu_count()),
+        options = ["--codec", codec, "--encode", "--preset", preset, "--threads", str(os.cpu_count()),
                    "--slots", str(2 * workers + 8)]  # fmt: skip
         server = start_server(name, options)
     try:
         ctx = multiprocessing.get_context("spawn")
         barrier, results = ctx.Barrier(workers + 1), ctx.Queue()
-        settings = {"mode": mode, "name": name, "preset": args.preset, "clips": args.clips,
-                    "seconds": args.seconds, "threads": max(1, (os.cpu_count() or 1) // workers)}  # fmt: skip
+        settings = {"codec": codec, "mode": mode, "name": name, "preset": preset, "rate": sample_rate(codec),
+                    "clips": args.clips, "seconds": args.seconds,
+                    "threads": max(1, (os.cpu_count() or 1) // workers)}  # fmt: skip
         procs = [ctx.Process(target=worker, args=(i, settings, barrier, results), daemon=True)
                  for i in range(workers)]  # fmt: skip
         for p in procs:
@@ -122,7 +158,7 @@ def run(mode: str, workers: int, args: argparse.Namespace) -> dict:
     latencies = sorted(x for r in got for x in r["latencies"])
     worker_peak = float(np.mean([r["peak_rss"] for r in got]))
     return {
-        "mode": mode, "workers": workers, "preset": args.preset,
+        "codec": codec, "mode": mode, "workers": workers, "preset": preset, "encodes": len(latencies),
         "worker_loaded_mib": float(np.mean([r["loaded_rss"] for r in got])) / MIB,
         "worker_peak_mib": worker_peak / MIB,
         "server_mib": server_rss / MIB,
@@ -134,15 +170,18 @@ def run(mode: str, workers: int, args: argparse.Namespace) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    """One codec's rows (a row without ``codec`` is BiCodec's): each shared row's total memory and
+    clip rate over the own row of its worker count, where that count's own row was run."""
     head = (f"{'mode':<7} {'N':>3} {'worker MiB':>11} {'peak':>7} {'server MiB':>10} {'total MiB':>10} "
             f"{'vs own':>7} {'p50':>8} {'p95':>8} {'clips/s':>8} {'vs own':>7}")  # fmt: skip
-    own = {r["workers"]: r for r in rows if r["mode"] == "own" and "skipped" not in r}
+    own = {(r.get("codec", "bicodec"), r["workers"]): r for r in rows
+           if r["mode"] == "own" and "skipped" not in r}  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['mode']:<7} {r['workers']:>3} skipped: {r['skipped']}")
             continue
-        o = own.get(r["workers"]) if r["mode"] == "shared" else None
+        o = own.get((r.get("codec", "bicodec"), r["workers"])) if r["mode"] == "shared" else None
         mem_vs = f"{r['total_mib'] / o['total_mib']:.2f}x" if o else ""
         rate_vs = f"{r['clips_per_s'] / o['clips_per_s']:.2f}x" if o else ""
         lines.append(f"{r['mode']:<7} {r['workers']:>3} {r['worker_loaded_mib']:>11.0f} "
@@ -152,36 +191,76 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def noise_note(rows: list[dict]) -> str | None:
+    """A warning for the rows whose p95 rests on too few encodes to be more than their largest."""
+    few = [r for r in rows if "skipped" not in r and r.get("encodes", FEW_ENCODES) < FEW_ENCODES]
+    if not few:
+        return None
+    counts = sorted({r["encodes"] for r in few})
+    said = ", ".join(f"{r['mode']} x{r['workers']}" for r in few)
+    return (f"noise: p95 over {counts[0]}" + (f" to {counts[-1]}" if len(counts) > 1 else "")
+            + f" encodes is about the slowest one ({said}): one slow encode moves it; "
+            f"more --clips for a p95 to compare")  # fmt: skip
+
+
+def skip_reason(workers: int, per_worker_mib: float, allowed_mib: float, available_mib: float) -> str | None:
+    """Why N own workers are not run, or None: ``per_worker_mib`` (this codec's largest own
+    worker so far; 0 before the first) times N exceeds the memory allowed."""
+    need = workers * per_worker_mib
+    if need <= allowed_mib:
+        return None
+    return (f"needs ~{need / 1024:.1f} GiB, more than the {allowed_mib / 1024:.1f} GiB allowed "
+            f"({available_mib / 1024:.1f} GiB available)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="spark-tts-0.5b", choices=["spark-tts-0.5b", "tiny"])
+    p.add_argument("--codec", dest="codecs", nargs="+", choices=CODECS, default=["bicodec"],
+                   help="the tokenizer measured; several run one after another, each its own table "
+                        "(default: bicodec)")  # fmt: skip
+    p.add_argument("--preset", default="full", choices=list(PRESETS) + ["spark-tts-0.5b"],
+                   help="full: each codec's released size (BiCodec spark-tts-0.5b, qwen3-tts-12hz); "
+                        "tiny: a small model of the same layout (default full)")  # fmt: skip
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--modes", nargs="+", choices=["own", "shared"], default=["own", "shared"])
     p.add_argument("--clips", type=int, default=2, help="clips per worker")
     p.add_argument("--seconds", type=float, default=3.0, help="seconds per clip")
+    p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
+                   help="skip a count of own workers estimated to need more (default: 0.8 of the "
+                        "memory available when the count starts)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = p.parse_args(argv)
+    if args.preset == "spark-tts-0.5b":  # the name this option took when it measured BiCodec only
+        args.preset = "full"
     rows: list[dict] = []
     t0 = time.perf_counter()
-    per_own_worker = 0.0  # MiB, the largest own worker seen: the estimate for the next count
-    for workers in args.workers:
-        for mode in args.modes:
-            need = workers * per_own_worker
-            available = psutil.virtual_memory().available / MIB
-            if mode == "own" and need > 0.8 * available:
-                why = f"needs ~{need / 1024:.1f} GiB, {available / 1024:.1f} GiB available"
-                rows.append({"mode": mode, "workers": workers, "preset": args.preset, "skipped": why})
-                print(f"[{time.perf_counter() - t0:6.0f} s] {mode} x{workers}: skipped", file=sys.stderr)
-                continue
-            print(f"[{time.perf_counter() - t0:6.0f} s] {mode} x{workers} ...", file=sys.stderr, flush=True)
-            rows.append(run(mode, workers, args))
-            if mode == "own":
-                per_own_worker = max(per_own_worker, rows[-1]["worker_peak_mib"])
+    for codec in args.codecs:
+        per_own_worker = 0.0  # MiB, this codec's largest own worker seen: the estimate for the next count
+        for workers in args.workers:
+            for mode in args.modes:
+                available = psutil.virtual_memory().available / MIB
+                allowed = 1024 * args.memory_gib if args.memory_gib is not None else 0.8 * available
+                why = skip_reason(workers, per_own_worker, allowed, available) if mode == "own" else None
+                where = f"[{time.perf_counter() - t0:6.0f} s] {codec} {mode} x{workers}"
+                if why is not None:
+                    rows.append({"codec": codec, "mode": mode, "workers": workers,
+                                 "preset": PRESETS[args.preset][codec], "skipped": why})  # fmt: skip
+                    print(f"{where}: skipped, {why}", file=sys.stderr, flush=True)
+                    continue
+                print(f"{where} ...", file=sys.stderr, flush=True)
+                rows.append(run(codec, mode, workers, args))
+                if mode == "own":
+                    per_own_worker = max(per_own_worker, rows[-1]["worker_peak_mib"])
     load = os.getloadavg()
     memory = psutil.virtual_memory().total / 2**30
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {memory:.0f} GiB, load "
-          f"{load[0]:.1f}; preset {args.preset}, {args.clips} clips of {args.seconds:g} s a worker")
-    print(table(rows))
+          f"{load[0]:.1f}; {args.clips} clips of {args.seconds:g} s a worker")
+    for codec in args.codecs:
+        mine = [r for r in rows if r["codec"] == codec]
+        print(f"\n{codec}: preset {PRESETS[args.preset][codec]}, clips at {sample_rate(codec) // 1000} kHz")
+        print(table(mine))
+        if (note := noise_note(mine)) is not None:
+            print(note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

@@ -25,7 +25,9 @@ model is loaded and after its clips: the peak), the server's, all of it together
 
 N own workers at full size need N times a tokenizer's memory: a count whose estimate (from that
 codec's largest own worker run so far) exceeds the memory allowed (``--memory-gib``, default 0.8 of
-what is available) is skipped and says so. Progress goes to stderr, one line per run.
+what is available) is skipped and says so. Progress goes to stderr, one line per run. Under each
+table, the rows that rest on fewer than 20 encodes are named as noise: their p95 is about their
+slowest encode, and one slow encode moves their clips per second and ratios.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ PRESETS = {
     "full": {"bicodec": "spark-tts-0.5b", "qwen3-tts-12hz": "qwen3-tts-12hz"},
     "tiny": {"bicodec": "tiny", "qwen3-tts-12hz": "tiny-12hz"},
 }
-FEW_ENCODES = 20  # a p95 over fewer encodes than this is about their largest one
+FEW_ENCODES = 20  # fewer encodes than this: a p95 about their largest, a rate one slow encode moves
 
 
 def sample_rate(codec: str) -> int:
@@ -192,15 +194,16 @@ def table(rows: list[dict]) -> str:
 
 
 def noise_note(rows: list[dict]) -> str | None:
-    """A warning for the rows whose p95 rests on too few encodes to be more than their largest."""
+    """A warning for the rows that rest on too few encodes to compare: one slow encode (another
+    process's burst on the same cores) moves their p95, their clips per second and the ratios."""
     few = [r for r in rows if "skipped" not in r and r.get("encodes", FEW_ENCODES) < FEW_ENCODES]
     if not few:
         return None
     counts = sorted({r["encodes"] for r in few})
     said = ", ".join(f"{r['mode']} x{r['workers']}" for r in few)
-    return (f"noise: p95 over {counts[0]}" + (f" to {counts[-1]}" if len(counts) > 1 else "")
-            + f" encodes is about the slowest one ({said}): one slow encode moves it; "
-            f"more --clips for a p95 to compare")  # fmt: skip
+    return (f"noise: {said} rest on {counts[0]}" + (f" to {counts[-1]}" if len(counts) > 1 else "")
+            + " encodes: one slow encode moves their p95 (about the slowest), clips/s and ratios; "
+            "repeat the run, or more --clips, before comparing them")  # fmt: skip
 
 
 def skip_reason(workers: int, per_worker_mib: float, allowed_mib: float, available_mib: float) -> str | None:

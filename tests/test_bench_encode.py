@@ -54,7 +54,7 @@ def test_a_count_is_skipped_when_its_estimate_exceeds_the_memory_allowed():
 def test_few_encodes_are_warned_of_as_noise():
     rows = [{**_row("own", 1, 400.0, 1.0), "encodes": 2}, {**_row("shared", 16, 500.0, 1.0), "encodes": 32}]
     note = bench_encode.noise_note(rows)
-    assert note is not None and "own x1" in note and "shared x16" not in note
+    assert note is not None and "own x1 rest on 2 encodes" in note and "shared x16" not in note
     assert bench_encode.noise_note(rows[1:]) is None
 
 

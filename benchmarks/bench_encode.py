@@ -26,8 +26,10 @@ model is loaded and after its clips: the peak), the server's, all of it together
 N own workers at full size need N times a tokenizer's memory: a count whose estimate (from that
 codec's largest own worker run so far) exceeds the memory allowed (``--memory-gib``, default 0.8 of
 what is available) is skipped and says so. Progress goes to stderr, one line per run. Under each
-table, the rows that rest on fewer than 20 encodes are named as noise: their p95 is about their
-slowest encode, and one slow encode moves their clips per second and ratios.
+table, as ``bicodec-shm bench`` does, a row that rests on fewer than 20 encodes is flagged
+``few`` (noise, not a result: its p95 is about its slowest encode, and one slow encode moves its
+clips per second; not its memory) and a clip rate ratio with a flagged row is marked ``?``; the
+JSON rows carry the flags.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ PRESETS = {
     "full": {"bicodec": "spark-tts-0.5b", "qwen3-tts-12hz": "qwen3-tts-12hz"},
     "tiny": {"bicodec": "tiny", "qwen3-tts-12hz": "tiny-12hz"},
 }
-FEW_ENCODES = 20  # fewer encodes than this: a p95 about their largest, a rate one slow encode moves
+FEW_ENCODES = 20  # as bicodec-shm bench's MIN_REQUESTS: fewer, and one encode more or less moves a rate
 
 
 def sample_rate(codec: str) -> int:
@@ -171,39 +173,45 @@ def run(codec: str, mode: str, workers: int, args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
+def flags(row: dict) -> list[str]:
+    """A row's noise flags, as ``bicodec-shm bench`` writes them: ``few`` when it rests on fewer
+    than ``FEW_ENCODES`` encodes (a row without a count is taken as enough)."""
+    return ["few"] if row.get("encodes", FEW_ENCODES) < FEW_ENCODES else []
+
+
 def table(rows: list[dict]) -> str:
     """One codec's rows (a row without ``codec`` is BiCodec's): each shared row's total memory and
-    clip rate over the own row of its worker count, where that count's own row was run."""
+    clip rate over the own row of its worker count, where that count's own row was run; a row
+    resting on few encodes is flagged ``few`` and a clip rate ratio with a flagged row marked
+    ``?``, with the legend under the table."""
     head = (f"{'mode':<7} {'N':>3} {'worker MiB':>11} {'peak':>7} {'server MiB':>10} {'total MiB':>10} "
-            f"{'vs own':>7} {'p50':>8} {'p95':>8} {'clips/s':>8} {'vs own':>7}")  # fmt: skip
+            f"{'vs own':>7} {'p50':>8} {'p95':>8} {'clips/s':>8} {'vs own':>7}  noise")  # fmt: skip
     own = {(r.get("codec", "bicodec"), r["workers"]): r for r in rows
            if r["mode"] == "own" and "skipped" not in r}  # fmt: skip
     lines = [head, "-" * len(head)]
+    marked = False
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['mode']:<7} {r['workers']:>3} skipped: {r['skipped']}")
             continue
         o = own.get((r.get("codec", "bicodec"), r["workers"])) if r["mode"] == "shared" else None
-        mem_vs = f"{r['total_mib'] / o['total_mib']:.2f}x" if o else ""
-        rate_vs = f"{r['clips_per_s'] / o['clips_per_s']:.2f}x" if o else ""
+        mark = " ?" if o and (flags(r) or flags(o)) else ""
+        marked = marked or bool(mark)
+        mem_vs = f"{r['total_mib'] / o['total_mib']:.2f}x" if o else ""  # memory does not wait on encodes
+        rate_vs = f"{r['clips_per_s'] / o['clips_per_s']:.2f}x{mark}" if o else ""
         lines.append(f"{r['mode']:<7} {r['workers']:>3} {r['worker_loaded_mib']:>11.0f} "
                      f"{r['worker_peak_mib']:>7.0f} {r['server_mib']:>10.0f} {r['total_mib']:>10.0f} "
                      f"{mem_vs:>7} {r['latency_p50_ms']:>6.0f}ms {r['latency_p95_ms']:>6.0f}ms "
-                     f"{r['clips_per_s']:>8.2f} {rate_vs:>7}")  # fmt: skip
+                     f"{r['clips_per_s']:>8.2f} {rate_vs:>7}  {' '.join(flags(r))}".rstrip())  # fmt: skip
+    few = [r["encodes"] for r in rows if "skipped" not in r and flags(r)]
+    if few:
+        lines += ["noise: a flagged row's latencies and clips/s are noise, not a result (its memory is not):",
+                  f"  few: fewer than {FEW_ENCODES} encodes (fewest here: {min(few)}): its p95 is about its "
+                  "slowest encode, and one slow encode (another process on the same cores) moves its "
+                  "clips/s; more --clips, or a repeated run, before comparing"]  # fmt: skip
+    if marked:
+        lines.append("?  noise, not a result: a clip rate ratio with a flagged row (noise column above)")
     return "\n".join(lines)
-
-
-def noise_note(rows: list[dict]) -> str | None:
-    """A warning for the rows that rest on too few encodes to compare: one slow encode (another
-    process's burst on the same cores) moves their p95, their clips per second and the ratios."""
-    few = [r for r in rows if "skipped" not in r and r.get("encodes", FEW_ENCODES) < FEW_ENCODES]
-    if not few:
-        return None
-    counts = sorted({r["encodes"] for r in few})
-    said = ", ".join(f"{r['mode']} x{r['workers']}" for r in few)
-    return (f"noise: {said} rest on {counts[0]}" + (f" to {counts[-1]}" if len(counts) > 1 else "")
-            + " encodes: one slow encode moves their p95 (about the slowest), clips/s and ratios; "
-            "repeat the run, or more --clips, before comparing them")  # fmt: skip
 
 
 def skip_reason(workers: int, per_worker_mib: float, allowed_mib: float, available_mib: float) -> str | None:
@@ -262,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r["codec"] == codec]
         print(f"\n{codec}: preset {PRESETS[args.preset][codec]}, clips at {sample_rate(codec) // 1000} kHz")
         print(table(mine))
-        if (note := noise_note(mine)) is not None:
-            print(note)
+    for r in rows:
+        if "skipped" not in r:
+            r["noise"] = flags(r)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

@@ -1,6 +1,6 @@
 """benchmarks/bench_encode.py: each shared row's memory and clip rate over the own row of its
-worker count and codec, a count skipped for memory said as such, few encodes warned of as noise
-(the arithmetic on given rows), and the Qwen3-TTS 12 Hz path run end to end at tiny size."""
+worker count and codec, a count skipped for memory said as such, rows of few encodes flagged as
+noise (the arithmetic on given rows), and the Qwen3-TTS 12 Hz path run end to end at tiny size."""
 
 from __future__ import annotations
 
@@ -51,11 +51,21 @@ def test_a_count_is_skipped_when_its_estimate_exceeds_the_memory_allowed():
     assert why == "needs ~16.0 GiB, more than the 14.0 GiB allowed (22.0 GiB available)"
 
 
-def test_few_encodes_are_warned_of_as_noise():
-    rows = [{**_row("own", 1, 400.0, 1.0), "encodes": 2}, {**_row("shared", 16, 500.0, 1.0), "encodes": 32}]
-    note = bench_encode.noise_note(rows)
-    assert note is not None and "own x1 rest on 2 encodes" in note and "shared x16" not in note
-    assert bench_encode.noise_note(rows[1:]) is None
+def test_rows_of_few_encodes_are_flagged_and_their_ratios_marked():
+    rows = [{**_row("own", 1, 400.0, 1.0), "encodes": 2},
+            {**_row("shared", 1, 100.0, 1.0), "encodes": 2},
+            {**_row("own", 16, 6400.0, 1.0), "encodes": 32},
+            {**_row("shared", 16, 500.0, 2.0), "encodes": 32}]  # fmt: skip
+    lines = bench_encode.table(rows).splitlines()
+    own1 = next(line for line in lines if line.startswith("own") and " 1 " in line)
+    shared1 = next(line for line in lines if line.startswith("shared") and " 1 " in line)
+    shared16 = next(line for line in lines if line.startswith("shared") and " 16 " in line)
+    assert own1.endswith("few") and shared1.endswith("few") and "0.25x " in shared1 and "1.00x ?" in shared1
+    assert "0.08x" in shared16 and "2.00x" in shared16
+    assert "?" not in shared16 and not shared16.endswith("few")
+    assert any("few: fewer than 20 encodes (fewest here: 2)" in line for line in lines)
+    assert any(line.startswith("?  noise, not a result") for line in lines)
+    assert "noise: " not in bench_encode.table(rows[2:])  # enough encodes: no legend
 
 
 def test_an_own_qwen3_worker_encodes_24_khz_clips():
@@ -77,5 +87,5 @@ def test_qwen3_at_tiny_size_runs_both_modes(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["codec"], r["mode"], r["preset"]) for r in rows] == [
         ("qwen3-tts-12hz", "own", "tiny-12hz"), ("qwen3-tts-12hz", "shared", "tiny-12hz")]  # fmt: skip
-    assert all(r["encodes"] == 1 and r["clips_per_s"] > 0 for r in rows)
+    assert all(r["encodes"] == 1 and r["noise"] == ["few"] and r["clips_per_s"] > 0 for r in rows)
     assert rows[1]["server_mib"] > 0 and rows[1]["worker_peak_mib"] < rows[0]["worker_peak_mib"]

@@ -167,8 +167,8 @@ def test_bad_audio_is_a_value_error_naming_it_and_harms_no_other_request(thread_
         for what, audio in bad.items():
             with pytest.raises(ValueError, match=what.split(" (")[0]):
                 client.encode(audio)
-        with pytest.raises(ValueError, match="24000 Hz.*16000 Hz"):
-            client.encode(good, sample_rate=24000)
+        with pytest.raises(ValueError, match="sample_rate=0 Hz is not a sample rate"):
+            client.encode(good, sample_rate=0)
         assert_lone_encode(client.encode(good, sample_rate=16000), good)
         assert_lone_encode(client.encode(np.zeros(50 * HOP, np.float32)), np.zeros(50 * HOP, np.float32))
 

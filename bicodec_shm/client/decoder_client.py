@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs.audio import EncodedAudio, as_audio, check_sample_rate
+from ..codecs.audio import EncodedAudio, check_sample_rate, read_audio
 from ..codecs.dia import dia_to_codes
 from ..codecs.layout import (
     ANY_SLOT_LIMIT,
@@ -256,12 +256,17 @@ class DecoderClient:
         blocks the calling thread. Needs a server started with ``--encode``.
 
         Args:
-            audio: (N,) mono samples at the codec's sample rate (BiCodec: 16 kHz): float32 or
-                float64 in [-1, 1], or int16 (read as ``x / 32768``). It crosses shared memory
-                as float32: the codes are those of the float32 clip.
-            sample_rate: the clip's rate in Hz, if the caller knows it: any rate but the
-                codec's is a ``ValueError`` naming both. Nothing resamples here (not built
-                yet): resample first (soxr, torchaudio, librosa).
+            audio: (N,) mono samples at the codec's sample rate (BiCodec: 16 kHz) or at
+                ``sample_rate``: float32 or float64 in [-1, 1], or int16 (read as
+                ``x / 32768``). It crosses shared memory as float32 at the codec's rate: the
+                codes are those of that float32 clip.
+            sample_rate: the clip's rate in Hz (None: the codec's). At another rate than the
+                codec's the clip is resampled here, in this process, to the codec's rate as the
+                codec's upstream does (``CodecLayout.resampling``: BiCodec
+                ``soxr.resample(x, sample_rate, 16000, quality="VHQ")`` as Spark-TTS;
+                qwen3-tts-12hz ``librosa.resample``'s default, soxr "HQ", as qwen-tts), so the
+                codes are the ones upstream computes for the clip; float64 audio is resampled
+                as float64, float32 and int16 as float32. Needs ``soxr``.
             timeout: seconds for this call (default: the handle's).
             due_in: seconds until the codes are due, as for ``decode``.
         Returns:
@@ -273,8 +278,9 @@ class DecoderClient:
         Raises:
             ValueError: before anything is written: audio that is not a 1-D float or int16
                 array, empty, with a NaN or infinite sample, shorter than the encoder takes or
-                longer than a slot holds (``max_tokens · samples_per_frame`` samples), or at
-                another sample rate.
+                longer than a slot holds (``max_tokens · samples_per_frame`` samples), both
+                counted at the codec's rate (after resampling); or a ``sample_rate`` that is
+                not an int in [1, 1 000 000] Hz.
             NoEncoderError: the server was started without ``--encode``.
         """
         return self._decode(self._prepare_audio(audio, sample_rate, due_in), timeout)
@@ -486,13 +492,13 @@ class DecoderClient:
         return request
 
     def _prepare_audio(self, audio: Any, sample_rate: int | None, due_in: float) -> Request:
-        """Validate a clip to encode (``fit`` checks it again against the server that takes it:
-        its encoder, its sample rate, its slots)."""
+        """Validate a clip to encode and its stated rate (``fit`` resamples it to the rate of the
+        server that takes it and checks it against that server's encoder and slots)."""
         if self._closed:
             raise self._closed_error()
-        check_sample_rate(sample_rate, self._codec, self.name)
+        rate = check_sample_rate(sample_rate)
         return Request("encode", None, [], None, output_dtype_code("float32"), due_at_ns=due_time(due_in),
-                       audio=as_audio(audio), sample_rate=sample_rate)  # fmt: skip
+                       source=read_audio(audio), sample_rate=rate)  # fmt: skip
 
     def _deadline(self, timeout: float | None) -> float:
         timeout = self.timeout if timeout is None else timeout

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ..codecs.audio import check_audio_length, check_sample_rate
+from ..codecs.audio import at_codec_rate, check_audio_length
 from ..codecs.layout import DEFAULT_NOISE_SEED, LAYOUTS, CodecLayout, check_request
 from ..codecs.validation import SLOT_LIMIT, as_token_array
 from ..errors import NoEncoderError
@@ -48,8 +49,13 @@ class Request:
     start_frame: int = 0  # SNAC: where a streaming window starts in its utterance
     due_at_ns: int = 0  # CLOCK_MONOTONIC time its audio is due (``due_time``); 0: due when sent
     checked: CodecLayout | None = None  # the layout it was last checked against
-    audio: np.ndarray | None = None  # an encode's clip, (N,) float32 (``codecs.audio.as_audio``)
-    sample_rate: int | None = None  # the rate the caller said its clip has (None: the codec's)
+    # An encode's clip as the caller gave it, (N,) float32 or float64 (``codecs.audio.read_audio``),
+    # at ``sample_rate`` (None: the codec's); ``fit`` makes ``audio`` from it for the server that
+    # takes it, resampled to that server's codec's rate, and ``submit`` writes that.
+    source: np.ndarray | None = None
+    sample_rate: int | None = None
+    audio: np.ndarray | None = None  # (M,) float32 at the rate of ``audio_for``
+    audio_for: tuple[int, Any] | None = None  # (rate, resampling) ``audio`` was made for
 
 
 def fit(att: Attachment, request: Request) -> None:
@@ -57,7 +63,7 @@ def fit(att: Attachment, request: Request) -> None:
     anything is written (a restarted server may have a smaller --max-tokens, or serve another
     codec). Raises ``Gone`` rather than refuse it for a server that no longer serves: its
     successor, with limits of its own, decides."""
-    if request.audio is not None:
+    if request.source is not None:
         try:
             _fit_audio(att, request)
         except ValueError:
@@ -76,8 +82,9 @@ def fit(att: Attachment, request: Request) -> None:
 
 
 def _fit_audio(att: Attachment, request: Request) -> None:
-    """An encode request against the server that will take it: one that encodes, at its
-    codec's rate, a clip its encoder and its slots take."""
+    """An encode request against the server that will take it: one that encodes, and a clip,
+    resampled to its codec's rate where the caller's is another, that its encoder and its slots
+    take."""
     if not att.encode_min_samples:
         att.check_alive()  # a server gone is not refusing: its successor may encode
         raise NoEncoderError(
@@ -85,10 +92,16 @@ def _fit_audio(att: Attachment, request: Request) -> None:
             f"`bicodec-shm serve --encode`, or DecoderServer(..., encoder=...)); it serves {att.codec.name} "
             "decodes only"
         )
-    check_sample_rate(request.sample_rate, att.codec, att.name)
+    codec = att.codec
+    key = (codec.sample_rate, codec.resampling)
+    if request.audio_for != key:  # made once, again only for a successor of another codec
+        request.audio = at_codec_rate(request.source, request.sample_rate, codec)
+        request.audio_for = key
+    rate = request.sample_rate
+    resampled = rate is not None and rate != codec.sample_rate
     check_audio_length(request.audio.shape[0], min_samples=att.encode_min_samples,
-                       max_samples=att.max_audio_samples, sample_rate=att.codec.sample_rate,
-                       name=att.name)  # fmt: skip
+                       max_samples=att.max_audio_samples, sample_rate=codec.sample_rate, name=att.name,
+                       resampled_from=(request.source.shape[0], rate) if resampled else None)  # fmt: skip
 
 
 def _fit_slow(att: Attachment, request: Request) -> None:

@@ -7,11 +7,12 @@
     orpheus.py      Orpheus TTS's audio-token ids and ``<custom_token_N>`` text <-> SNAC codes
     dia.py          Dia's delayed audio tokens <-> DAC 44 kHz codes
     audio.py        the encode direction: a clip checked before it is written, the codes back
+    resample.py     a clip at another rate brought to the codec's as its upstream does (soxr)
 
 The client imports these to validate a request before it writes anything; the model package has
 one decoder per codec (``model/bicodec/``, ``model/snac/``, ``model/dac/``, ``model/qwen3_tts/``).
 
-May import: ``errors`` only (and numpy). Never torch.
+May import: ``errors`` only (and numpy; soxr where a clip is resampled). Never torch.
 """
 
 from .audio import EncodedAudio

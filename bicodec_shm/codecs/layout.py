@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .resample import LIBROSA, SOXR_HQ, SOXR_VHQ, Resampling
 from .validation import SLOT_LIMIT, as_token_array
 
 
@@ -105,6 +106,14 @@ class CodecLayout:
     def frame_rate(self) -> float:
         """Frames per second."""
         return self.sample_rate / self.samples_per_frame
+
+    @property
+    def resampling(self) -> Resampling:
+        """How audio at another rate is brought to ``sample_rate`` before it is encoded: as the
+        codec's upstream does it (``codecs/resample.py``; BiCodec: soxr "VHQ", as Spark-TTS;
+        qwen3-tts-12hz: librosa's default, soxr "HQ", as qwen-tts), so that the codes are
+        upstream's. Looked up by name: a layout read from a server's header says the same."""
+        return RESAMPLING.get(self.name, SOXR_HQ)
 
     @property
     def uniform_rate(self) -> int | None:
@@ -193,6 +202,10 @@ LAYOUTS: dict[str, CodecLayout] = {
     c.name: c
     for c in (BICODEC, SNAC_24KHZ, SNAC_32KHZ, SNAC_44KHZ, DAC_44KHZ, DAC_24KHZ, DAC_16KHZ, QWEN3_TTS_12HZ)
 }
+
+# How each codec's upstream resamples what it encodes (CodecLayout.resampling); soxr's default for
+# the others, whose upstreams encode nothing at another rate.
+RESAMPLING: dict[str, Resampling] = {BICODEC.name: SOXR_VHQ, QWEN3_TTS_12HZ.name: LIBROSA}
 
 
 DEFAULT_MAX_SECONDS = 30  # the longest request a server takes by default (serve --max-tokens)

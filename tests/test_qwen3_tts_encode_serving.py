@@ -13,6 +13,7 @@ import gc
 import os
 import subprocess
 import sys
+import types
 import weakref
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from conftest import ROOT, wait_until_serving
 from support import TESTS, qwen3_clip
 from test_encode import _serve_reporting_imports
+from test_encode_resample import librosa_resample
 from test_qwen3_tts_dropin import Qwen3TTSModelStandIn, qwen_tts_tokenizer
 from upstream_qwen3_tts import make_tokenizer
 
@@ -134,12 +136,33 @@ def test_the_drop_ins_encode_is_qwen_tts_encode(server, reference):
     assert rate == 24000 and [len(w) for w in wavs] == [len(c) * SPF for c in out.audio_codes]
 
 
+def test_the_drop_ins_encode_at_another_rate_is_qwen_tts_encode(server, reference, monkeypatch):
+    """Clips at 16, 22.05 and 48 kHz (one, a list, float64, 2-D channels last): qwen-tts's encode
+    resamples numpy input with ``librosa.resample(y, orig_sr=sr, target_sr=24000)``, the drop-in
+    as it does, in the client: the codes are equal code for code. librosa is not a test
+    dependency: qwen-tts's module gets ``librosa_resample`` in its place, exactly what librosa
+    0.11's ``resample`` computes with its defaults (soxr "HQ", padded to ``ceil(n · ratio)``)."""
+    module = sys.modules[type(reference).__module__]
+    monkeypatch.setattr(module, "librosa", types.SimpleNamespace(resample=librosa_resample))
+    tokenizer = SharedSpeechTokenizer(client=server)
+    for sr, clips in [(16000, [qwen3_clip(31, 0)]),
+                      (22050, [qwen3_clip(31, 1)[:1764], qwen3_clip(31, 2).astype(np.float64)]),
+                      (48000, np.stack([qwen3_clip(31, 3), qwen3_clip(31, 3)[::-1]], axis=-1))]:  # fmt: skip
+        out = tokenizer.encode(clips, sr=sr)
+        for clip, got in zip(clips if isinstance(clips, list) else [clips], out.audio_codes, strict=True):
+            want = reference.encode(clip, sr=sr).audio_codes[0]  # each clip alone, as above
+            assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
+    # 1764 samples at 22050 Hz: librosa pads soxr's 1920 samples to 1921, two frames of codes.
+    assert tokenizer.encode(qwen3_clip(31, 1)[:1764], sr=22050).audio_codes[0].shape == (2, 16)
+
+
 BAD = [
     ("ref.wav", {"sr": 24000}, "paths, URLs and base64 strings are not read here"),
-    (["a.wav", "b.wav"], {"sr": 24000}, "resample it to 24000 Hz and pass the array"),
+    (["a.wav", "b.wav"], {"sr": 24000}, "pass the array with its rate"),
     ([], {"sr": 24000}, "nothing to encode"),
     (np.zeros(100, np.float32), {}, "you must provide `sr`"),
-    (np.zeros(100, np.float32), {"sr": 16000}, "sr=16000: the 12 Hz tokenizer encodes 24000 Hz"),
+    (np.zeros(100, np.float32), {"sr": 0}, r"sr=0 Hz is not a sample rate: it must be in \[1, 1000000\]"),
+    (np.zeros(100, np.float32), {"sr": 24000.0}, r"sr must be an int \(Hz\), got 24000.0"),
     (torch.zeros(100), {"sr": 24000}, r"pass \.cpu\(\)\.numpy\(\)"),
     ([np.zeros(100, np.float32), [0.0] * 100], {"sr": 24000}, "clip 1 must be a numpy array"),
     ([np.zeros(100, np.float32), np.zeros(0, np.float32)], {"sr": 24000}, "clip 1: audio is empty"),
@@ -147,6 +170,8 @@ BAD = [
     (np.zeros((2, 3, 4), np.float32), {"sr": 24000}, "clip 0: audio must be 1-D"),
     (np.zeros(10, bool), {"sr": 24000}, "must hold real samples"),
     (np.zeros(100 * SPF + 1, np.float32), {"sr": 24000}, "clip 0: audio of 192001 samples .* longer than"),
+    ([np.zeros(10, np.float32), np.zeros(128001, np.float32)], {"sr": 16000},
+     r"clip 1: audio of 192002 samples at 24000 Hz \(resampled from 128001 samples at 16000 Hz\) .* longer"),
 ]
 
 

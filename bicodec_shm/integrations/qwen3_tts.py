@@ -16,8 +16,8 @@ loading::
 The server: ``bicodec-shm serve --codec qwen3-tts-12hz --model-dir <the model's speech_tokenizer
 folder> --name qwen3-tts``, plus ``--encode`` for voice cloning from reference audio.
 :func:`install` keeps the original tokenizer by default (``keep_tokenizer=True``): ``encode``
-then runs it in this process, as before (it reads audio files and resamples, which the server's
-encode does not), and its other attributes are read from it. ``keep_tokenizer=False`` lets it
+then runs it in this process, as before (it also reads audio files, which the server's encode
+does not), and its other attributes are read from it. ``keep_tokenizer=False`` lets it
 go, and with it every weight of the speech tokenizer in the worker (its encoder, decoder and
 feature extractor): ``encode`` then goes to the server too.
 
@@ -39,9 +39,10 @@ a ``ValueError`` naming the row, frame and codebook (qwen-tts clamps, or fails i
 and a row longer than the server's ``--max-tokens`` frames is refused before any row is sent. A
 row of 0 frames gives an empty array, as upstream.
 
-Without a kept tokenizer, ``encode`` takes numpy waveforms at 24 kHz as qwen-tts's
-``Qwen3TTSTokenizer.encode`` takes them and returns what it returns, the codes computed on the
-server (:meth:`SharedSpeechTokenizer.encode`).
+Without a kept tokenizer, ``encode`` takes numpy waveforms as qwen-tts's
+``Qwen3TTSTokenizer.encode`` takes them, resampling those at another rate than 24 kHz as it does
+(librosa's default, soxr "HQ", in this process), and returns what it returns, the codes computed
+on the server (:meth:`SharedSpeechTokenizer.encode`).
 
 torch is never imported here: tensors are read with ``.detach().cpu().numpy()``, and ``encode``'s
 code tensors are made by the torch the process has loaded already (qwen-tts's).
@@ -58,7 +59,7 @@ import numpy as np
 from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.client.long_requests import all_in_threads
 from bicodec_shm.codecs import QWEN3_TTS_12HZ
-from bicodec_shm.codecs.audio import as_audio, check_audio_length
+from bicodec_shm.codecs.audio import as_audio, at_codec_rate, check_audio_length, check_sample_rate
 from bicodec_shm.integrations.inputs import integer_array, shared_client
 
 N_CODEBOOKS = QWEN3_TTS_12HZ.n_levels  # 16: 1 semantic + 15 acoustic
@@ -152,14 +153,16 @@ class SharedSpeechTokenizer:
         batch there. What follows is the server's.
 
         Args:
-            audios: one numpy waveform or a list of them, at 24 kHz; as upstream, an array of
-                more than one dimension is mixed down by its mean over the last axis (channels
-                last), and the samples are cast to float32 as they are (upstream scales nothing:
-                pass int16 PCM divided by 32768). Paths, URLs and base64 strings, which qwen-tts
-                reads with librosa and soundfile, and any rate but 24000 (which it resamples
-                with librosa) are refused: nothing here reads files or resamples the way it
-                does, and a clip read or resampled another way would give other codes.
-            sr: the waveforms' sample rate, required as upstream; it must be 24000.
+            audios: one numpy waveform or a list of them; as upstream, an array of more than
+                one dimension is mixed down by its mean over the last axis (channels last), the
+                samples are cast to float32 as they are (upstream scales nothing: pass int16
+                PCM divided by 32768), and a clip at another rate than 24 kHz is resampled to
+                it as ``librosa.resample``'s default does (soxr "HQ", padded to
+                ``ceil(n · 24000 / sr)`` samples), in this process. Paths, URLs and base64
+                strings, which qwen-tts reads with librosa and soundfile, are refused: nothing
+                here reads files the way it does, and a clip read another way would give other
+                codes.
+            sr: the waveforms' sample rate, required as upstream: an int in [1, 1 000 000].
             return_dict: True: an :class:`EncodeOutput` (``.audio_codes``); False: the tuple
                 ``(audio_codes,)``, as upstream.
         Returns:
@@ -170,24 +173,25 @@ class SharedSpeechTokenizer:
             has loaded; numpy arrays in a process without torch.
         Raises:
             ValueError: before any clip is sent: a path or string, no clip, an array of another
-                type or dtype, ``sr`` missing or not 24000, an empty clip, a sample that is not
-                finite, a clip longer than the server takes, or a server of another codec.
+                type or dtype, ``sr`` missing or not a sample rate, an empty clip, a sample that
+                is not finite, a clip longer than the server takes (at 24 kHz, after
+                resampling), or a server of another codec.
             NoEncoderError: the server was started without ``--encode``.
         """
         if self.tokenizer is not None:
             more = {} if return_dict else {"return_dict": False}  # what the caller passed
             return self.tokenizer.encode(audios, sr=sr, **more)
-        wavs = _waveforms(audios, sr)
+        wavs, lengths = _waveforms(audios, sr)
         client = self.client
         limit = client.max_tokens * SAMPLES_PER_FRAME
         codec = client.codec.name
         if codec != QWEN3_TTS_12HZ.name:
             raise ValueError(f"the server {client.name!r} serves {codec}, not {QWEN3_TTS_12HZ.name}: "
                              "encode on a `serve --codec qwen3-tts-12hz --encode` server")  # fmt: skip
-        for i, wav in enumerate(wavs):
+        for i, (wav, n) in enumerate(zip(wavs, lengths)):
             try:
                 check_audio_length(len(wav), min_samples=1, max_samples=limit, sample_rate=SAMPLE_RATE,
-                                   name=client.name)  # fmt: skip
+                                   name=client.name, resampled_from=None if sr == SAMPLE_RATE else (n, sr))
             except ValueError as exc:
                 raise ValueError(f"clip {i}: {exc}") from None
         calls = [_encode_call(client, wav, self.timeout) for wav in wavs]
@@ -362,16 +366,17 @@ def _decode_call(client: DecoderClient, row: np.ndarray, timeout: float | None) 
     return lambda: client.decode_codes(levels, dtype="float32", codec=QWEN3_TTS_12HZ.name, timeout=timeout)
 
 
-def _waveforms(audios: Any, sr: Any) -> list[np.ndarray]:
+def _waveforms(audios: Any, sr: Any) -> tuple[list[np.ndarray], list[int]]:
     """``encode``'s clips as qwen-tts's ``_normalize_audio_inputs`` makes them from numpy
-    arrays (mean over the last axis of a multi-dimensional one, then float32), each checked:
-    1-D, not empty, every sample finite."""
+    arrays (mean over the last axis of a multi-dimensional one, float32, resampled to 24 kHz
+    by ``librosa.resample``'s default where ``sr`` is another rate), each checked first: 1-D,
+    not empty, every sample finite; and the clips' lengths before resampling."""
     if isinstance(audios, (str, bytes)) or (isinstance(audios, (list, tuple)) and audios
                                             and isinstance(audios[0], (str, bytes))):  # fmt: skip
         raise ValueError(
-            "encode takes numpy waveforms at 24000 Hz; audio paths, URLs and base64 strings are not "
-            "read here (qwen-tts reads them with librosa and soundfile): load the clip, mix it to "
-            "mono, resample it to 24000 Hz and pass the array with sr=24000"
+            "encode takes numpy waveforms; audio paths, URLs and base64 strings are not read here "
+            "(qwen-tts reads them with librosa and soundfile): load the clip, mix it to mono and "
+            "pass the array with its rate, sr=..."
         )
     clips = [audios] if isinstance(audios, np.ndarray) else audios
     if not isinstance(clips, (list, tuple)):
@@ -380,14 +385,12 @@ def _waveforms(audios: Any, sr: Any) -> list[np.ndarray]:
     if not clips:
         raise ValueError("nothing to encode: no clips")
     if sr is None:
-        raise ValueError("For numpy waveform input, you must provide `sr` (original sampling rate): "
-                         "sr=24000")  # fmt: skip
-    if isinstance(sr, bool) or not isinstance(sr, (int, np.integer)) or int(sr) != SAMPLE_RATE:
-        raise ValueError(
-            f"sr={sr!r}: the 12 Hz tokenizer encodes {SAMPLE_RATE} Hz audio, and nothing here "
-            f"resamples as qwen-tts does (librosa): resample the clip to {SAMPLE_RATE} Hz first"
-        )
-    wavs = []
+        raise ValueError("For numpy waveform input, you must provide `sr` (original sampling rate)")
+    try:
+        sr = check_sample_rate(sr)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("sample_rate", "sr", 1)) from None
+    wavs, lengths = [], []
     for i, clip in enumerate(clips):
         if not isinstance(clip, np.ndarray):
             raise ValueError(f"clip {i} must be a numpy array, got {type(clip).__name__}")
@@ -396,10 +399,12 @@ def _waveforms(audios: Any, sr: Any) -> list[np.ndarray]:
         if clip.ndim > 1 and clip.size:
             clip = np.mean(clip, axis=-1)  # as upstream: channels last
         try:
-            wavs.append(as_audio(clip.astype(np.float32)))
+            wav = as_audio(clip.astype(np.float32))
         except ValueError as exc:
             raise ValueError(f"clip {i}: {exc}") from None
-    return wavs
+        wavs.append(at_codec_rate(wav, sr, QWEN3_TTS_12HZ))
+        lengths.append(len(wav))
+    return wavs, lengths
 
 
 def _encode_call(client: DecoderClient, wav: np.ndarray, timeout: float | None) -> Callable[[], Any]:

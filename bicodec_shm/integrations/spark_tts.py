@@ -69,7 +69,6 @@ from bicodec_shm.client.long_requests import decode_any_length
 from bicodec_shm.integrations.inputs import integer_array
 
 N_GLOBAL = 32
-SAMPLE_RATE = 16000  # BiCodec's, the rate Spark-TTS's load_audio resamples prompts to
 # Where Spark-TTS's SparkTTS class looks up BiCodecTokenizer: its repository's cli/SparkTTS.py,
 # and the same file as PyPI's spark-tts-lib packages it.
 SPARK_TTS_MODULES = ("cli.SparkTTS", "spark_tts_lib.SparkTTS")
@@ -198,8 +197,8 @@ class SharedBiCodecTokenizer(SharedAudioTokenizer):
                 clip shorter than the encoder takes or longer than the server's slots hold.
             NoEncoderError: the server was started without ``--encode``.
         """
-        wav = read_prompt(audio_path)
-        encoded = self.client.encode(wav, sample_rate=SAMPLE_RATE, timeout=self.timeout)
+        wav, sr = read_prompt(audio_path)  # resampled to 16 kHz by encode, as Spark-TTS resamples
+        encoded = self.client.encode(wav, sample_rate=sr, timeout=self.timeout)
         global_ids = np.asarray(encoded.global_ids, dtype=np.int32).reshape(1, 1, N_GLOBAL)
         semantic = np.asarray(encoded.semantic_ids, dtype=np.int64).reshape(1, -1)
         torch = sys.modules.get("torch")
@@ -218,10 +217,11 @@ class SharedBiCodecTokenizer(SharedAudioTokenizer):
         return f"<SharedBiCodecTokenizer name={self.name!r} model_dir={self.model_dir!r}>"
 
 
-def read_prompt(audio_path: Any) -> np.ndarray:
-    """A prompt wav as Spark-TTS's ``load_audio`` reads it, before volume normalisation: float64
-    samples of the first channel, resampled to 16 kHz by soxr ("VHQ") where the file has
-    another rate. ValueError for a file it cannot read, no samples or a non-finite sample."""
+def read_prompt(audio_path: Any) -> tuple[np.ndarray, int]:
+    """A prompt wav as Spark-TTS's ``load_audio`` reads it, before resampling and volume
+    normalisation: float64 samples of the first channel, and the file's rate (``encode`` resamples
+    them to 16 kHz as ``load_audio`` does, soxr "VHQ": ``BICODEC.resampling``). ValueError for a
+    file it cannot read, no samples or a non-finite sample."""
     try:
         import soundfile
     except ImportError:
@@ -241,18 +241,7 @@ def read_prompt(audio_path: Any) -> np.ndarray:
         raise ValueError(f"{where!r} holds no audio samples")
     if not np.isfinite(audio).all():
         raise ValueError(f"{where!r} holds a NaN or infinite sample")
-    if sr != SAMPLE_RATE:
-        try:
-            import soxr
-        except ImportError:
-            raise ImportError(
-                f"{where!r} is at {sr} Hz: resampling it to {SAMPLE_RATE} Hz as Spark-TTS does "
-                "needs soxr: pip install soxr"
-            ) from None
-        audio = soxr.resample(audio, sr, SAMPLE_RATE, quality="VHQ")
-        if audio.size == 0:
-            raise ValueError(f"{where!r} is too short to resample to {SAMPLE_RATE} Hz")
-    return audio
+    return audio, int(sr)
 
 
 _installed: dict[str, tuple[types.ModuleType, Any]] = {}

@@ -53,3 +53,39 @@ def check_lengths(lengths: IdsLike | Sequence[int], batch: int, frames: int) -> 
         i = int(bad[0, 0])
         raise ValueError(f"lengths[{i}] = {int(lens[i])} is outside [1, T] = [1, {frames}]")
     return lens
+
+
+def check_waves(name: str, value: Any, lengths: IdsLike | Sequence[int] | None, *, dtype: torch.dtype,
+                one_row: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """An encoder's audio, ``(B, N)`` float waveforms right-padded to N, as a ``dtype`` tensor on
+    its device, and each row's valid samples, ``(B,)`` int64 in ``[1, N]`` (all N if ``lengths``
+    is None). ``one_row``: a (N,) waveform is a batch of one; otherwise it is refused. Each bad
+    value is a ValueError naming ``name``: not a tensor or numpy array, not floating point, of
+    another shape, empty, or a sample that is not finite within its row (its row and position;
+    the padding past a row's length may hold anything)."""
+    wave = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    if not isinstance(wave, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
+    if not wave.is_floating_point():
+        raise ValueError(f"{name} must have a floating dtype (float32, float64): floating point, scaled to "
+                         f"[-1, 1], got {wave.dtype} (divide int16 PCM by 32768)")  # fmt: skip
+    if one_row and wave.dim() == 1:
+        wave = wave[None]  # (N,) -> (1, N)
+    if wave.dim() != 2:
+        shape = f"got {wave.dim()}-D with shape {tuple(wave.shape)}"
+        if one_row:
+            raise ValueError(f"{name} must be (T,) or (B, T) mono waveforms, {shape}")
+        raise ValueError(f"{name} must be 2-D (B, N): one row per waveform (a lone one as "
+                         f"wav[None]), {shape}")  # fmt: skip
+    batch, width = wave.shape
+    if batch == 0 or width == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(wave.shape)}; need B >= 1 rows of T >= 1 samples")
+    wave = wave.detach().to(dtype)
+    lens = torch.full((batch,), width) if lengths is None else check_lengths(lengths, batch, width).cpu()
+    valid = torch.arange(width, device=wave.device) < lens.to(wave.device)[:, None]
+    bad = (~wave.isfinite() & valid).nonzero()
+    if len(bad):
+        row, pos = (int(v) for v in bad[0])
+        raise ValueError(f"{name}[{row}, {pos}] = {float(wave[row, pos])} is not finite ({len(bad)} such "
+                         "sample(s))")  # fmt: skip
+    return wave, lens

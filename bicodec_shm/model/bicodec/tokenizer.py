@@ -25,7 +25,7 @@ from torch import nn
 
 from ...errors import CheckpointError
 from .. import weights
-from ..inputs import IdsLike, check_lengths
+from ..inputs import IdsLike, check_waves
 from ..modules import ConvNeXtBlock, TimeMask
 from ..random_weights import WeightDraw, init_common_layers, seeded
 from . import checkpoint
@@ -221,32 +221,15 @@ class BiCodecEncoder(nn.Module):
 def _check_waves(
     wavs: Any, lengths: IdsLike | Sequence[int] | None, min_samples: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, N) float64 CPU waveforms and (B,) int64 lengths, or a ValueError naming the fault."""
-    wav = torch.from_numpy(wavs) if isinstance(wavs, np.ndarray) else wavs
-    if not isinstance(wav, torch.Tensor):
-        raise ValueError(f"wavs must be a torch.Tensor or numpy array, got {type(wavs).__name__}")
-    if not wav.is_floating_point():
-        raise ValueError(f"wavs must have a floating dtype (float32, float64), got {wav.dtype}")
-    if wav.dim() != 2:
-        raise ValueError(f"wavs must be 2-D (B, N): one row per waveform (a lone one as "
-                         f"wav[None]), got {wav.dim()}-D with shape {tuple(wav.shape)}")  # fmt: skip
-    batch, n = wav.shape
-    if batch == 0 or n == 0:
-        raise ValueError(f"wavs is empty: shape {tuple(wav.shape)}")
-    wav = wav.detach().to("cpu", torch.float64)
-    lens = torch.full((batch,), n) if lengths is None else check_lengths(lengths, batch, n).cpu()
+    """(B, N) float64 CPU waveforms and (B,) int64 lengths (``model.inputs.check_waves``), each
+    row at least ``min_samples`` long; or a ValueError naming the fault."""
+    wav, lens = check_waves("wavs", wavs, lengths, dtype=torch.float64, one_row=False)
     short = (lens < min_samples).nonzero()
     if len(short):
         i = int(short[0, 0])
         raise ValueError(f"wavs row {i} has {int(lens[i])} samples; wav2vec2 needs at least "
                          f"{min_samples} ({min_samples / 16:.0f} ms at 16 kHz)")  # fmt: skip
-    valid = torch.arange(n)[None, :] < lens[:, None]
-    bad = (~torch.isfinite(wav) & valid).nonzero()
-    if len(bad):
-        row, pos = (int(v) for v in bad[0])
-        raise ValueError(f"wavs[{row}, {pos}] = {float(wav[row, pos])} is not finite "
-                         f"({len(bad)} such sample(s))")  # fmt: skip
-    return wav, lens
+    return wav.cpu(), lens
 
 
 def _random_init(codec: CodecEncodeModules, gen: torch.Generator) -> None:

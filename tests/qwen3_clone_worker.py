@@ -5,10 +5,11 @@ back.
 
 Usage: python qwen3_clone_worker.py NAME FIXTURE.npz ROUNDS OUT.npz
 
-Each round sends, concurrently: ``encode`` of the 24 kHz reference clip (``sr=24000``, as
-``create_voice_clone_prompt`` passes it) and, for each case, ``decode([{"audio_codes": codes}])``
+Each round sends, concurrently, for each case: ``encode`` of the reference clip at its own rate
+(``sr=24000`` or ``sr=16000``, as ``create_voice_clone_prompt`` passes it: the 16 kHz one is
+resampled in this process as qwen-tts's tokenizer does) and ``decode([{"audio_codes": codes}])``
 of the codes upstream's run decoded, as torch tensors (qwen-tts's). Writes, per round r and case:
-``r/<case>/encode_codes`` (24 kHz only) and ``r/<case>/decoded``, and ``r/<case>/wav``: the
+``r/<case>/encode_codes``, ``r/<case>/decoded``, and ``r/<case>/wav``: the
 decoded audio cut after the reference's frames as ``generate_voice_clone`` cuts it. Exits 0 on
 success.
 """
@@ -41,16 +42,16 @@ def main() -> int:
         ran = {k: data[k] for k in data.files}
     tokenizer = SharedSpeechTokenizer(name, timeout=120)
     arrays = {}
-    with ThreadPoolExecutor(max_workers=3 * rounds) as pool:
-        encodes = [pool.submit(tokenizer.encode, ran["ref24k/ref_wav"], sr=int(ran["ref24k/ref_sr"]))
-                   for _ in range(rounds)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=4 * rounds) as pool:
+        encodes = {(r, case): pool.submit(tokenizer.encode, ran[f"{case}/ref_wav"], sr=int(ran[f"{case}/ref_sr"]))
+                   for r in range(rounds) for case in CASES}  # fmt: skip
         decodes = {(r, case): pool.submit(clone_tail, tokenizer, ran[f"{case}/encode_codes"],
                                           ran[f"{case}/decode_codes"])
                    for r in range(rounds) for case in CASES}  # fmt: skip
-        for r, future in enumerate(encodes):
+        for (r, case), future in encodes.items():
             (codes,) = future.result().audio_codes
             assert isinstance(codes, torch.Tensor) and codes.dtype == torch.int64
-            arrays[f"{r}/ref24k/encode_codes"] = codes.numpy()
+            arrays[f"{r}/{case}/encode_codes"] = codes.numpy()
         for (r, case), future in decodes.items():
             arrays[f"{r}/{case}/decoded"], arrays[f"{r}/{case}/wav"] = future.result()
     np.savez(out, **arrays)

@@ -43,7 +43,8 @@ def main() -> int:
     tokenizer = SharedSpeechTokenizer(name, timeout=120)
     arrays = {}
     with ThreadPoolExecutor(max_workers=4 * rounds) as pool:
-        encodes = {(r, case): pool.submit(tokenizer.encode, ran[f"{case}/ref_wav"], sr=int(ran[f"{case}/ref_sr"]))
+        encodes = {(r, case): pool.submit(tokenizer.encode, ran[f"{case}/ref_wav"],
+                                          sr=int(ran[f"{case}/ref_sr"]))
                    for r in range(rounds) for case in CASES}  # fmt: skip
         decodes = {(r, case): pool.submit(clone_tail, tokenizer, ran[f"{case}/encode_codes"],
                                           ran[f"{case}/decode_codes"])

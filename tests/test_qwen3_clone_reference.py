@@ -6,8 +6,9 @@ holds the weights ``serve --codec qwen3-tts-12hz --preset tiny --seed 0 --encode
 its tokenizer's ``encode`` returned for the reference clip, what ``decode`` was given and
 returned, and the audio ``generate_voice_clone`` returned. Its script
 (``fixtures/make_qwen3_clone_reference.py``) also ran ``generate_voice_clone`` after
-``install(model, keep_tokenizer=False)`` against a server on the same weights: every code equal,
-the audio within 1e-5. qwen-tts's package cannot be imported beside this project's torch (it
+``install(model, keep_tokenizer=False)``, and on a model loaded after ``install_loader`` (which
+built no tokenizer), against a server on the same weights: every code equal, the audio within
+1e-5. qwen-tts's package cannot be imported beside this project's torch (it
 imports torchaudio, librosa, sox, onnxruntime), so here a server process answers the same calls
 from several client processes at once.
 """
@@ -54,7 +55,12 @@ def test_the_fixture_was_made_on_the_weights_the_tiny_server_builds(ran):
     make = maker()
     assert str(ran["tokenizer_digest"]) == make.weights_digest(*make.tokenizer_models())
     assert str(ran["qwen_tts"]) == "0.1.1"
-    assert max(float(ran["shared/ref24k/max_abs_diff"]), float(ran["shared/ref16k/max_abs_diff"])) <= TOL
+    assert max(float(ran[f"{way}/{case}/max_abs_diff"]) for way in ("shared", "loader")
+               for case in ("ref24k", "ref16k")) <= TOL  # fmt: skip
+    # install_loader: from_pretrained built no tokenizer (qwen-tts's reads its feature extractor's
+    # preprocessor_config.json first; without the loader it did)
+    assert list(ran["loader/opened"]) == ["config.json"]
+    assert "preprocessor_config.json" in list(ran["loader/opened_without"])
     for case, (sr, _) in make.CASES.items():
         assert int(ran[f"{case}/ref_sr"]) == sr
         np.testing.assert_array_equal(ran[f"{case}/ref_wav"], make.reference_clip(sr))
@@ -69,8 +75,9 @@ def test_generate_voice_clones_tokenizer_calls_from_processes_at_once_get_upstre
         start_server, shm_name, tmp_path, ran):  # fmt: skip
     """Three worker processes, each asking two rounds of what ``generate_voice_clone`` asked of
     its tokenizer, all at once: ``encode`` of each reference (24 kHz, and 16 kHz resampled in the
-    worker as qwen-tts does) gives upstream's codes, code for code; ``decode`` of the codes upstream decoded (both references) gives its audio within
-    1e-5, and cut as ``generate_voice_clone`` cuts it, the audio it returned."""
+    worker as qwen-tts does) gives upstream's codes, code for code; ``decode`` of the codes
+    upstream decoded (both references) gives its audio within 1e-5, and cut as
+    ``generate_voice_clone`` cuts it, the audio it returned."""
     start_server(*QWEN3, "--encode", "--max-tokens", "100", "--max-wait-ms", "20")
     outs = [str(tmp_path / f"w{k}.npz") for k in range(PROCESSES)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}

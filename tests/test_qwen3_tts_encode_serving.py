@@ -219,3 +219,94 @@ def test_encode_for_a_codec_without_an_encoder_is_refused_naming_those_with_one(
     assert main(["serve", "--codec", "snac-24khz", "--encode", "--name", shm_name]) != 0
     assert "snac-24khz has no encoder here; the codecs that encode are bicodec, qwen3-tts-12hz" in (
         capsys.readouterr().err)  # fmt: skip
+
+
+# What qwen-tts's ``Qwen3TTSForConditionalGeneration.from_pretrained`` does with the speech
+# tokenizer, line for line (qwen_tts/core/models/modeling_qwen3_tts.py): the module's own
+# ``Qwen3TTSTokenizer``, looked up when it runs, builds it from ``<folder>/speech_tokenizer``.
+UPSTREAM_LOAD = '''
+import os
+
+class Qwen3TTSTokenizer:
+    @classmethod
+    def from_pretrained(cls, path, *model_args, **kwargs):
+        with open(os.path.join(path, "model.safetensors"), "rb") as f:  # the weights
+            f.read(1)
+        raise AssertionError("qwen-tts's own tokenizer was loaded")
+
+def from_pretrained(folder):
+    speech_tokenizer_dir = os.path.join(folder, "speech_tokenizer")
+    return Qwen3TTSTokenizer.from_pretrained(speech_tokenizer_dir)
+'''
+
+
+def upstream_loader(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    exec(compile(UPSTREAM_LOAD, f"<{name}>", "exec"), module.__dict__)
+    return module
+
+
+def speech_tokenizer_folder(root, model_type: str):
+    folder = root / "speech_tokenizer"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "%s"}' % model_type)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    return root
+
+
+def test_install_loader_makes_from_pretrained_load_no_tokenizer_and_clone_on_the_server(
+        server, shm_name, encoder, reference, tmp_path):  # fmt: skip
+    """Before loading: ``from_pretrained`` opens no tokenizer weights (it would, without
+    ``install_loader``: the stand-in opens them and fails) and gets a ``SharedSpeechTokenizer``
+    keeping nothing, whose encode and decode are the server's; ``uninstall_loader`` puts qwen-tts's
+    class back."""
+    from bicodec_shm.integrations import qwen3_tts
+
+    module = upstream_loader("qwen3_loader_standin")
+    folder = speech_tokenizer_folder(tmp_path, "qwen3_tts_tokenizer_12hz")
+    original = module.Qwen3TTSTokenizer
+    opened: list[str] = []
+    with pytest.raises(AssertionError, match="own tokenizer was loaded"):
+        module.from_pretrained(str(folder))  # the check below can fail
+    qwen3_tts.install_loader(shm_name, module=module, timeout=60)
+    qwen3_tts.install_loader(shm_name, module=module, timeout=60)  # twice: uninstall still restores
+    try:
+        root = os.path.realpath(folder) + os.sep
+        watching = [True]
+
+        def hook(event: str, args: tuple) -> None:  # every file opened under the model folder
+            if watching[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+                path = os.path.realpath(os.fsdecode(args[0]))
+                if path.startswith(root):
+                    opened.append(os.path.basename(path))
+
+        sys.addaudithook(hook)  # hooks cannot be removed: this one stops watching below
+        try:
+            tokenizer = module.from_pretrained(str(folder))
+        finally:
+            watching[0] = False
+        assert isinstance(tokenizer, SharedSpeechTokenizer) and tokenizer.tokenizer is None
+        assert opened == ["config.json"]  # the weights stay unread
+        clip = qwen3_clip(5, 0)
+        (codes,) = tokenizer.encode(clip, sr=24000).audio_codes
+        np.testing.assert_array_equal(codes.numpy(), reference.encode(clip, sr=24000).audio_codes[0].numpy())
+        wavs, sr = tokenizer.decode([{"audio_codes": codes}])
+        assert sr == 24000 and wavs[0].shape == (codes.shape[0] * SPF,)
+    finally:
+        qwen3_tts.uninstall_loader()
+    assert module.Qwen3TTSTokenizer is original
+
+
+def test_install_loader_refuses_a_25_hz_tokenizer_and_a_module_without_one(tmp_path):
+    from bicodec_shm.integrations import qwen3_tts
+
+    module = upstream_loader("qwen3_loader_standin_25hz")
+    folder = speech_tokenizer_folder(tmp_path, "qwen3_tts_tokenizer_25hz")
+    qwen3_tts.install_loader("unused", module=module)
+    try:
+        with pytest.raises(ValueError, match="'qwen3_tts_tokenizer_25hz'.*serve --codec qwen3-tts-12hz"):
+            module.from_pretrained(str(folder))
+    finally:
+        qwen3_tts.uninstall_loader()
+    with pytest.raises(ValueError, match="has no Qwen3TTSTokenizer"):
+        qwen3_tts.install_loader("unused", module=types.ModuleType("empty"))

@@ -13,6 +13,11 @@ loading::
     model = Qwen3TTSModel.from_pretrained("Qwen/Qwen3-TTS-12Hz-1.7B-Base", device_map="cuda:0")
     install(model, name="qwen3-tts", keep_tokenizer=False)  # decode and encode on the server
 
+or one before, so that the worker never loads the tokenizer at all (:func:`install_loader`)::
+
+    install_loader("qwen3-tts")
+    model = Qwen3TTSModel.from_pretrained("Qwen/Qwen3-TTS-12Hz-1.7B-Base", device_map="cuda:0")
+
 The server: ``bicodec-shm serve --codec qwen3-tts-12hz --model-dir <the model's speech_tokenizer
 folder> --name qwen3-tts``, plus ``--encode`` for voice cloning from reference audio.
 :func:`install` keeps the original tokenizer by default (``keep_tokenizer=True``): ``encode``
@@ -50,7 +55,11 @@ code tensors are made by the torch the process has loaded already (qwen-tts's).
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -259,6 +268,57 @@ def install(model: Any, *, name: str | None = None, client: DecoderClient | None
     return shared
 
 
+def install_loader(name: str = "bicodec-shm", *, module: str | types.ModuleType | None = None,
+                   client: DecoderClient | None = None, timeout: float | None = None) -> None:  # fmt: skip
+    """Make ``Qwen3TTSModel.from_pretrained`` load no speech tokenizer: where it would build
+    qwen-tts's ``Qwen3TTSTokenizer`` from the model's ``speech_tokenizer/`` folder, it gets a
+    :class:`SharedSpeechTokenizer` of the server ``name`` (no tokenizer kept: decode and encode
+    go to the server, which must run ``--encode`` for voice cloning). Call it before loading::
+
+        qwen3_tts.install_loader("qwen3-tts")
+        model = Qwen3TTSModel.from_pretrained("Qwen/Qwen3-TTS-12Hz-1.7B-Base", device_map="cuda:0")
+
+    The worker then never reads the tokenizer's weights (``install(model, keep_tokenizer=False)``
+    after loading frees them, but the worker held them once). The folder's ``config.json`` is
+    read, to refuse a tokenizer the server does not serve.
+
+    Args:
+        name: the server's segment name (``bicodec-shm serve --name``).
+        module: the module whose ``from_pretrained`` builds the tokenizer (a name or the
+            module); default ``qwen_tts.core.models.modeling_qwen3_tts``, qwen-tts's.
+        client, timeout: as :class:`SharedSpeechTokenizer`.
+    Raises:
+        ImportError: the module does not import (qwen-tts not installed).
+        ValueError: the module has no ``Qwen3TTSTokenizer`` to replace.
+    """
+    if not isinstance(module, types.ModuleType):
+        module = importlib.import_module(module or UPSTREAM_MODULE)
+    target = module
+    installed = _loaders.get(target.__name__)
+    original = installed[1] if installed else getattr(target, "Qwen3TTSTokenizer", None)
+    if original is None:
+        raise ValueError(f"{target.__name__} has no Qwen3TTSTokenizer: pass module= the module whose "
+                         "from_pretrained builds the speech tokenizer")  # fmt: skip
+
+    class SharedTokenizerLoader:
+        """Stands in for ``Qwen3TTSTokenizer`` while :func:`install_loader` is in effect."""
+
+        @staticmethod
+        def from_pretrained(path: Any, *args: Any, **kwargs: Any) -> SharedSpeechTokenizer:
+            _check_tokenizer_folder(path)
+            return SharedSpeechTokenizer(name, client=client, timeout=timeout)
+
+    target.Qwen3TTSTokenizer = SharedTokenizerLoader
+    _loaders[target.__name__] = (target, original)
+
+
+def uninstall_loader() -> None:
+    """Undo :func:`install_loader`: ``from_pretrained`` loads qwen-tts's own tokenizer again."""
+    while _loaders:
+        _, (target, original) = _loaders.popitem()
+        target.Qwen3TTSTokenizer = original
+
+
 def uninstall(model: Any) -> None:
     """Give ``model`` back the tokenizer :func:`install` kept (ValueError if none was kept)."""
     holder = _holder(model)
@@ -271,6 +331,26 @@ def uninstall(model: Any) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+UPSTREAM_MODULE = "qwen_tts.core.models.modeling_qwen3_tts"  # its from_pretrained builds the tokenizer
+_loaders: dict[str, tuple[types.ModuleType, Any]] = {}  # module name -> (module, its own class)
+
+
+def _check_tokenizer_folder(path: Any) -> None:
+    """Refuse a speech tokenizer folder whose ``config.json`` names another tokenizer than the
+    12 Hz one (qwen-tts's 25 Hz tokenizer is not served); a folder without one passes (a hub
+    name, say: the server checks what it serves)."""
+    config = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(config):
+        return
+    with open(config, encoding="utf-8") as f:
+        kind = json.load(f).get("model_type", MODEL_TYPE)
+    if kind != MODEL_TYPE:
+        raise ValueError(
+            f"{path}: this model's speech tokenizer is {kind!r}; the server decodes {MODEL_TYPE!r} "
+            "(`serve --codec qwen3-tts-12hz`): use a Qwen3-TTS-12Hz model"
+        )
+
 
 
 def _holder(model: Any) -> Any:

@@ -24,6 +24,17 @@ WORKER = os.path.join(TESTS, "decode_worker.py")
 
 
 @functools.lru_cache(maxsize=None)
+def load_script(path: str | os.PathLike[str]):
+    """The Python script at ``path`` (a fixture's make-script, say) as a module, run once."""
+    import importlib.util
+
+    name = os.path.splitext(os.path.basename(os.fspath(path)))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def reference_model(seed: int = 0):
     """The same random tiny model the test servers build (``serve --preset tiny --seed 0``)."""
     import torch

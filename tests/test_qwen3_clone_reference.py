@@ -15,7 +15,6 @@ from several client processes at once.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import ROOT
-from support import TESTS
+from support import TESTS, load_script
 
 from bicodec_shm import DecoderClient
 from bicodec_shm.integrations.qwen3_tts import SharedSpeechTokenizer
@@ -37,10 +36,7 @@ PROCESSES, ROUNDS = 3, 2
 
 
 def maker():
-    spec = importlib.util.spec_from_file_location("make_qwen3_clone_reference", MAKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(MAKER)
 
 
 @pytest.fixture(scope="module")

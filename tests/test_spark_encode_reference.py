@@ -17,7 +17,6 @@ built in torchaudio's float32 order and came out bit-equal to torchaudio's mel; 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -26,6 +25,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
+from support import load_script
 
 from bicodec_shm.model.bicodec.tokenizer import BiCodecEncoder
 
@@ -38,10 +38,7 @@ MEL_TOL = 1e-6
 
 def _maker():
     """The fixture's script, for its weight drawing (``weights_from_specs``) only."""
-    spec = importlib.util.spec_from_file_location("make_spark_encode_reference", MAKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(MAKER)
 
 
 @pytest.fixture(scope="module")

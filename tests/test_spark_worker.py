@@ -26,7 +26,7 @@ import pytest
 import test_spark_encode_reference as encode_reference
 import torch
 from conftest import ROOT
-from support import TESTS
+from support import TESTS, load_script
 
 from bicodec_shm.integrations import spark_tts
 from bicodec_shm.integrations.spark_tts import SharedBiCodecTokenizer
@@ -221,14 +221,11 @@ def test_spark_tts_inference_on_the_shared_tokenizer_gets_upstreams_ids_and_audi
     a server on the same weights answers what inference asks of its tokenizer: ``tokenize`` of
     the prompt gives upstream's tensors, and ``detokenize`` of what upstream's inference passed
     gives its waveform within 1e-5."""
-    import importlib.util
     import shutil
 
     from bicodec_shm.model import BiCodecDecoder
 
-    spec = importlib.util.spec_from_file_location("make_spark_inference_reference", INFERENCE_MAKER)
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
+    maker = load_script(INFERENCE_MAKER)
     with np.load(INFERENCE) as data:
         ran = {k: data[k] for k in data.files}
     folder = tmp_path / "Spark-TTS-tiny"

@@ -470,6 +470,13 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/model/bicodec/decoder.py", "if unpadded_forward is not None and lens is None:",
       "if unpadded_forward is not None:", "tests/test_traced.py", "-k", "bicodec_batches"),
     # -- the encode direction (audio in, codes back) ---------------------------------------------
+    m("bicodec-resampled-at-hq", "a clip at another rate is resampled for BiCodec at soxr's HQ, not "
+      "Spark-TTS's VHQ", "bicodec_shm/codecs/resample.py", 'SOXR_VHQ = Resampling("VHQ")',
+      'SOXR_VHQ = Resampling("HQ")', "tests/test_encode_resample.py", "-k", "spark_tts_resampled_clip"),
+    m("qwen3-resampled-without-librosas-length", "a clip resampled for Qwen3-TTS keeps soxr's length, "
+      "not librosa's ceil(n * 24000 / sr)", "bicodec_shm/codecs/resample.py",
+      'LIBROSA = Resampling("HQ", fixed_length=True)', 'LIBROSA = Resampling("HQ")',
+      "tests/test_encode_resample.py", "-k", "qwen_tts_resampled_clip"),
     m("encode-rows-batched-with-decodes", "a plan takes encode and decode rows into one forward pass",
       "bicodec_shm/server/encoding.py", "    if not encodes.any():\n        return ready, False",
       "    if True:\n        return ready, False", "tests/test_encode.py", "-k", "apart_from_decodes"),

@@ -470,6 +470,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/model/bicodec/decoder.py", "if unpadded_forward is not None and lens is None:",
       "if unpadded_forward is not None:", "tests/test_traced.py", "-k", "bicodec_batches"),
     # -- the encode direction (audio in, codes back) ---------------------------------------------
+    m("qwen3-loader-loads-upstreams-tokenizer", "install_loader leaves qwen-tts's tokenizer class in "
+      "place: from_pretrained loads its weights", "bicodec_shm/integrations/qwen3_tts.py",
+      "    target.Qwen3TTSTokenizer = SharedTokenizerLoader\n", "",
+      "tests/test_qwen3_tts_encode_serving.py", "-k", "install_loader_makes"),
     m("bicodec-resampled-at-hq", "a clip at another rate is resampled for BiCodec at soxr's HQ, not "
       "Spark-TTS's VHQ", "bicodec_shm/codecs/resample.py", 'SOXR_VHQ = Resampling("VHQ")',
       'SOXR_VHQ = Resampling("HQ")', "tests/test_encode_resample.py", "-k", "spark_tts_resampled_clip"),

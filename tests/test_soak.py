@@ -21,8 +21,11 @@ def _chaos(tmp_path, capsys, seed: int, *extra: str) -> dict:
     out = tmp_path / "soak.json"
     rc = main(["soak", "--clients", "6", "--kill-every", "1.5", "--seed", str(seed),
                "--json", str(out), *extra])  # fmt: skip
-    result = json.loads(out.read_text())
     printed = capsys.readouterr().out
+    # A soak that stops early writes no JSON: say the seed that reruns it, and what it printed.
+    rerun = f"chaos seed {seed} (rerun: bicodec-shm soak --seed {seed} {' '.join(extra)})"
+    assert out.exists(), f"{rerun}: the soak stopped early (rc {rc})\n{printed}"
+    result = json.loads(out.read_text())
     # The seed decides the weights and the whole fault schedule: rerun a failure with it.
     assert rc == 0, f"chaos seed {seed} (rerun: bicodec-shm soak --seed {seed} {' '.join(extra)})\n{printed}"
     assert result["lost"] == result["timed_out"] == result["wrong_audio"] == 0, f"seed {seed}"

@@ -308,15 +308,16 @@ def install_loader(name: str = "bicodec-shm", *, module: str | types.ModuleType 
             _check_tokenizer_folder(path)
             return SharedSpeechTokenizer(name, client=client, timeout=timeout)
 
-    target.Qwen3TTSTokenizer = SharedTokenizerLoader
+    # Recorded before the rebinding: an exception between the two leaves uninstall able to undo it.
     _loaders[target.__name__] = (target, original)
+    target.Qwen3TTSTokenizer = SharedTokenizerLoader
 
 
 def uninstall_loader() -> None:
     """Undo :func:`install_loader`: ``from_pretrained`` loads qwen-tts's own tokenizer again."""
-    while _loaders:
-        _, (target, original) = _loaders.popitem()
-        target.Qwen3TTSTokenizer = original
+    for key, (target, original) in list(_loaders.items()):
+        target.Qwen3TTSTokenizer = original  # restored before forgotten, so never lost midway
+        del _loaders[key]
 
 
 def uninstall(model: Any) -> None:

@@ -278,15 +278,16 @@ def install(name: str = "bicodec-shm", *, module: str | types.ModuleType | None 
                                       timeout=timeout, **kwargs)  # fmt: skip
 
     shared_tokenizer.__doc__ = SharedBiCodecTokenizer.__doc__
-    target.BiCodecTokenizer = shared_tokenizer
+    # Recorded before the rebinding: an exception between the two leaves uninstall able to undo it.
     _installed[target.__name__] = (target, original)
+    target.BiCodecTokenizer = shared_tokenizer
 
 
 def uninstall() -> None:
     """Undo :func:`install`: ``SparkTTS`` builds Spark-TTS's own ``BiCodecTokenizer`` again."""
-    while _installed:
-        _, (target, original) = _installed.popitem()
-        target.BiCodecTokenizer = original
+    for key, (target, original) in list(_installed.items()):
+        target.BiCodecTokenizer = original  # restored before forgotten, so never lost midway
+        del _installed[key]
 
 
 def _spark_module(module: str | types.ModuleType | None) -> types.ModuleType:

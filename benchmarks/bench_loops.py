@@ -17,8 +17,11 @@ Usage::
     python benchmarks/bench_loops.py --sizes tiny full --workers 1 4 --json loops.json
     python benchmarks/bench_loops.py --loops qwen3_tts --workers 4 16 --utterances 2
 
-One run of each cell: a ratio within ``NOISE`` of 1 is marked ``~`` (noise on a shared machine,
-not a difference). ``--repeats R`` runs the whole set R times, one after another (so a change in
+Each cell collects at least ``--min-samples`` first chunks (default ``MIN_SAMPLES``): a worker
+count below it runs more utterances per worker (``utterances_for``), so that the TTFA p95 is a
+percentile and not the slowest of a dozen (of 12 samples, p95 is their maximum, and one chunk
+the OS scheduled late decides it). One run of each cell: a ratio within ``NOISE`` of 1 is marked
+``~`` (noise on a shared machine, not a difference). ``--repeats R`` runs the whole set R times, one after another (so a change in
 the machine's load falls on both modes alike), and adds a summary per loop and worker count: the
 median ratio with its range over the R paired runs, and in how many of them the shared server
 met the criterion (``meets``): audio per second at least its own decoders', TTFA p95 at most
@@ -44,6 +47,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPS = ("orpheus_tts", "spark_tts", "qwen3_tts")
 NOISE = 0.05  # one run per cell: a ratio within 5 % of 1 is not a difference
 ONE_WORKER_TOLERANCE = 0.05  # at one worker the shared server need only come within 5 %
+MIN_SAMPLES = 32  # first chunks per cell: p95 of 32 is the second slowest, not the slowest
+
+
+def utterances_for(workers: int, utterances: int, min_samples: int) -> int:
+    """Utterances per worker at ``workers`` workers: ``utterances``, or more where the cell
+    would otherwise collect fewer than ``min_samples`` first chunks."""
+    return max(utterances, -(-min_samples // workers))
 
 
 def run_loop(loop: str, size: str, workers: list[int], utterances: int, extra: list[str]) -> dict:
@@ -125,7 +135,7 @@ def ratio_text(x: float) -> str:
 
 
 def table(cells: list[dict]) -> str:
-    head = (f"{'loop':<12} {'size':<5} {'N':>3} {'decoder':<7} {'thr':>3} {'TTFA p50':>9} {'p95':>8} "
+    head = (f"{'loop':<12} {'size':<5} {'N':>3} {'decoder':<7} {'thr':>3} {'utts':>4} {'TTFA p50':>9} {'p95':>8} "
             f"{'max':>8} {'audio s/s':>9} {'late':>11} {'audio vs own':>12} {'p95 vs own':>10}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for c in cells:
@@ -136,7 +146,7 @@ def table(cells: list[dict]) -> str:
             p95_vs = ratio_text(vs["ttfa_p95"]) if vs else ""
             lines.append(
                 f"{c['loop']:<12} {c['size']:<5} {r['streams']:>3} {r['mode']:<7} {r['threads']:>3} "
-                f"{r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>6.0f}ms {r['ttfa_max_ms']:>6.0f}ms "
+                f"{r['utterances']:>4} {r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>6.0f}ms {r['ttfa_max_ms']:>6.0f}ms "
                 f"{r['audio_s_per_s']:>9.2f} {late:>11} "
                 f"{audio_vs:>12} {p95_vs:>10}"
             )  # fmt: skip
@@ -149,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="+", choices=["tiny", "full"], default=["tiny"],
                    help="codec sizes (random weights); full takes minutes per cell on a CPU")  # fmt: skip
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--utterances", type=int, default=3, help="utterances per worker")
+    p.add_argument("--utterances", type=int, default=3, help="utterances per worker (at least)")
+    p.add_argument("--min-samples", type=int, default=MIN_SAMPLES,
+                   help="first chunks per cell: fewer workers run more utterances each "
+                        f"(default {MIN_SAMPLES})")  # fmt: skip
     p.add_argument("--device", default="cpu")
     p.add_argument("--example-args", default="", metavar="ARGS",
                    help='more options for every example, e.g. "--rate 2000" (see each --help)')  # fmt: skip
@@ -164,12 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for size in args.sizes:
             for loop in args.loops:
-                print(f"[{time.perf_counter() - t0:6.0f} s] run {repeat + 1}/{args.repeats}: {loop} {size}: "
-                      f"workers {args.workers} ...", file=sys.stderr, flush=True)  # fmt: skip
                 extra = ["--device", args.device, *shlex.split(args.example_args)]
-                got = run_loop(loop, size, args.workers, args.utterances, extra)
-                cells.append({"loop": loop, "size": size, "repeat": repeat, "machine": got["machine"],
-                              "rows": ratios(got["rows"])})  # fmt: skip
+                rows, machine = [], None
+                for n in args.workers:  # one example run per count: each its own utterances
+                    each = utterances_for(n, args.utterances, args.min_samples)
+                    print(f"[{time.perf_counter() - t0:6.0f} s] run {repeat + 1}/{args.repeats}: {loop} {size}: "
+                          f"workers [{n}], {each} utterances each ...", file=sys.stderr, flush=True)  # fmt: skip
+                    got = run_loop(loop, size, [n], each, extra)
+                    rows += got["rows"]
+                    machine = machine or got["machine"]
+                cells.append({"loop": loop, "size": size, "repeat": repeat, "machine": machine,
+                              "rows": ratios(rows)})  # fmt: skip
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, device {args.device}; "
           f"first and last load: {cells[0]['machine']} | {cells[-1]['machine']}")  # fmt: skip
     print(table(cells))

@@ -66,6 +66,15 @@ def test_repeats_are_summarised_per_loop_and_worker_count_as_medians_and_ranges(
     assert "1.10x (1.00-1.20)" in text and "0.90x (0.80-1.00)" in text and "2/3" in text
 
 
+@pytest.mark.parametrize("workers, utterances, min_samples, each", [
+    (1, 3, 32, 32), (4, 3, 32, 8), (16, 3, 32, 3), (32, 3, 32, 3), (5, 1, 32, 7), (2, 4, 0, 4),
+])  # fmt: skip
+def test_fewer_workers_run_more_utterances_so_that_every_cell_has_enough_first_chunks(
+        workers, utterances, min_samples, each):  # fmt: skip
+    assert bench_loops.utterances_for(workers, utterances, min_samples) == each
+    assert workers * each >= min_samples
+
+
 @pytest.mark.parametrize("ratio, shown",
                          [(1.04, "~1.04x"), (0.96, "~0.96x"), (1.06, "1.06x"), (0.5, "0.50x")])  # fmt: skip
 def test_a_ratio_within_the_noise_of_one_is_marked(ratio, shown):
@@ -75,15 +84,16 @@ def test_a_ratio_within_the_noise_of_one_is_marked(ratio, shown):
 def test_a_short_run_of_one_loop_gives_both_modes_with_every_core(tmp_path):
     out = tmp_path / "loops.json"
     proc = subprocess.run([sys.executable, SCRIPT, "--loops", "qwen3_tts", "--workers", "2",
-                           "--utterances", "1", "--example-args", "--rate 2000 --frames 8",
+                           "--utterances", "1", "--min-samples", "4", "--example-args", "--rate 2000 --frames 8",
                            "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "qwen3_tts tiny: workers [2]" in proc.stderr and "audio vs own" in proc.stdout
+    assert "qwen3_tts tiny: workers [2], 2 utterances each" in proc.stderr and "audio vs own" in proc.stdout
     cell, = json.loads(out.read_text())["cells"]
     own, shared = cell["rows"]
     cores = os.cpu_count()
     assert (own["mode"], own["threads"]) == ("own", max(1, cores // 2))
     assert (shared["mode"], shared["threads"]) == ("shared", cores)
-    assert own["audio_s"] == shared["audio_s"] == pytest.approx(2 * 8 * 1920 / 24000)
+    assert own["utterances"] == shared["utterances"] == 4  # 2 workers x 2: the 4 samples asked for
+    assert own["audio_s"] == shared["audio_s"] == pytest.approx(4 * 8 * 1920 / 24000)
     assert shared["vs_own"]["audio_s_per_s"] == pytest.approx(shared["audio_s_per_s"] / own["audio_s_per_s"])

@@ -21,12 +21,12 @@ Each cell collects at least ``--min-samples`` first chunks (default ``MIN_SAMPLE
 count below it runs more utterances per worker (``utterances_for``), so that the TTFA p95 is a
 percentile and not the slowest of a dozen (of 12 samples, p95 is their maximum, and one chunk
 the OS scheduled late decides it). One run of each cell: a ratio within ``NOISE`` of 1 is marked
-``~`` (noise on a shared machine, not a difference). ``--repeats R`` runs the whole set R times, one after another (so a change in
-the machine's load falls on both modes alike), and adds a summary per loop and worker count: the
-median ratio with its range over the R paired runs, and in how many of them the shared server
-met the criterion (``meets``): audio per second at least its own decoders', TTFA p95 at most
-theirs and no more late chunks; at one worker, both ratios within 5 %. Progress goes to stderr,
-one line per example run.
+``~`` (noise on a shared machine, not a difference). ``--repeats R`` runs the whole set R times,
+one after another (so a change in the machine's load falls on both modes alike), and adds a
+summary per loop and worker count: the median ratio with its range over the R paired runs, and
+in how many of them the shared server met the criterion (``meets``): audio per second at least
+its own decoders', TTFA p95 at most theirs and no more late chunks; at one worker, both ratios
+within 5 %. Progress goes to stderr, one line per example run.
 
     python benchmarks/bench_loops.py --loops orpheus_tts --workers 16 --repeats 5
 """
@@ -135,8 +135,9 @@ def ratio_text(x: float) -> str:
 
 
 def table(cells: list[dict]) -> str:
-    head = (f"{'loop':<12} {'size':<5} {'N':>3} {'decoder':<7} {'thr':>3} {'utts':>4} {'TTFA p50':>9} {'p95':>8} "
-            f"{'max':>8} {'audio s/s':>9} {'late':>11} {'audio vs own':>12} {'p95 vs own':>10}")  # fmt: skip
+    head = (f"{'loop':<12} {'size':<5} {'N':>3} {'decoder':<7} {'thr':>3} {'utts':>4} {'TTFA p50':>9} "
+            f"{'p95':>8} {'max':>8} {'audio s/s':>9} {'late':>11} {'audio vs own':>12} "
+            f"{'p95 vs own':>10}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for c in cells:
         for r in c["rows"]:
@@ -146,7 +147,8 @@ def table(cells: list[dict]) -> str:
             p95_vs = ratio_text(vs["ttfa_p95"]) if vs else ""
             lines.append(
                 f"{c['loop']:<12} {c['size']:<5} {r['streams']:>3} {r['mode']:<7} {r['threads']:>3} "
-                f"{r['utterances']:>4} {r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>6.0f}ms {r['ttfa_max_ms']:>6.0f}ms "
+                f"{r['utterances']:>4} {r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>6.0f}ms "
+                f"{r['ttfa_max_ms']:>6.0f}ms "
                 f"{r['audio_s_per_s']:>9.2f} {late:>11} "
                 f"{audio_vs:>12} {p95_vs:>10}"
             )  # fmt: skip
@@ -181,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows, machine = [], None
                 for n in args.workers:  # one example run per count: each its own utterances
                     each = utterances_for(n, args.utterances, args.min_samples)
-                    print(f"[{time.perf_counter() - t0:6.0f} s] run {repeat + 1}/{args.repeats}: {loop} {size}: "
-                          f"workers [{n}], {each} utterances each ...", file=sys.stderr, flush=True)  # fmt: skip
+                    print(f"[{time.perf_counter() - t0:6.0f} s] run {repeat + 1}/{args.repeats}: {loop} "
+                          f"{size}: workers [{n}], {each} utterances each ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
                     got = run_loop(loop, size, [n], each, extra)
                     rows += got["rows"]
                     machine = machine or got["machine"]

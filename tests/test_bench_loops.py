@@ -84,7 +84,8 @@ def test_a_ratio_within_the_noise_of_one_is_marked(ratio, shown):
 def test_a_short_run_of_one_loop_gives_both_modes_with_every_core(tmp_path):
     out = tmp_path / "loops.json"
     proc = subprocess.run([sys.executable, SCRIPT, "--loops", "qwen3_tts", "--workers", "2",
-                           "--utterances", "1", "--min-samples", "4", "--example-args", "--rate 2000 --frames 8",
+                           "--utterances", "1", "--min-samples", "4",
+                           "--example-args", "--rate 2000 --frames 8",
                            "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

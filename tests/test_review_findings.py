@@ -266,9 +266,10 @@ def test_5_a_server_restarted_with_a_smaller_max_tokens_gets_a_clear_error_not_a
 # -- 6 -------------------------------------------------------------------------------------------
 
 
-def test_6_a_successor_waits_for_a_server_that_finishes_its_batch(shm_name):
+@pytest.mark.parametrize("mode", [0o600, 0o660])  # a named segment, and one handed over NAME.sock
+def test_6_a_successor_waits_for_a_server_that_finishes_its_batch(shm_name, mode):
     decoder = GatedDecoder()
-    old = DecoderServer(decoder, shm_name, slots=2, lanes=1)
+    old = DecoderServer(decoder, shm_name, slots=2, lanes=1, mode=mode)
     old_thread = _start(old)
     req = seeded_request(7, 20)
     new = None
@@ -280,7 +281,8 @@ def test_6_a_successor_waits_for_a_server_that_finishes_its_batch(shm_name):
             wait_for(lambda: int(old.segment.header["busy_lanes"]) == 1)
             old.stop()  # SIGTERM: it still serves the batch it holds
             threading.Timer(1.0, decoder.gate.set).start()
-            new = DecoderServer(reference_model(), shm_name, slots=2, start_wait=20)  # waits, not refused
+            # It waits, not refused: under 0o660 it reads the old server's phase in NAME's own object.
+            new = DecoderServer(reference_model(), shm_name, slots=2, start_wait=20, mode=mode)
             new.start_thread()
             old_thread.join(20)
             t.join(20)

@@ -424,6 +424,15 @@ class Segment:
         for f in (*DESCRIPTION, "digest", "magic"):  # magic last, as at creation
             h[f] = mine[f]
 
+    def mark_stopping(self) -> None:
+        """Say that this server has begun to stop (the server only; safe in a signal handler):
+        a successor started now waits for it instead of refusing to start. Where the segment
+        is handed over a socket, the successor reads the phase in the name's own object, so
+        the header is copied there too."""
+        if self.header is not None:
+            self.header["phase"] = Phase.STOPPING
+            self._copy_header()
+
     def stop_serving(self) -> None:
         """Release the SERVING lock: clients now resubmit what this server has not answered.
         A segment handed over a socket hangs up on every client too (their liveness signal)."""

@@ -51,7 +51,6 @@ from ..protocol.layout import (
     DEFAULT_START_WAIT,
     NO_BELL,
     READY,
-    Phase,
     Status,
 )
 from ..protocol.names import validate_name
@@ -333,10 +332,9 @@ class DecoderServer:
             try:
                 # A hint for a successor started now (a rolling restart): wait for us rather
                 # than give up because we still serve the batches we hold.
-                if seg.header is not None:
-                    seg.header["phase"] = Phase.STOPPING
+                seg.mark_stopping()
                 post(seg.ready)  # wake the dispatcher now rather than at the next tick
-            except (posix_ipc.Error, BiCodecShmError, TypeError):
+            except (posix_ipc.Error, BiCodecShmError, TypeError, OSError):
                 pass
 
     def close(self, timeout: float = 30.0) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import sys
 
 import pytest
 
@@ -236,3 +237,20 @@ def test_no_exception_is_injected_into_a_finalizer_that_the_collector_runs_durin
             pass
     # Every finalizer that began ran to its end (point 1, the call's entry, comes before any).
     assert finalized == [x for n in range(6) for x in (1, 2 * n + 1)]
+
+
+def test_a_server_that_fails_to_start_fails_the_soak_with_what_it_printed(tmp_path):
+    """A restart that exits while starting names its exit code and the end of its output (a
+    chaos run once ended with only 'the server exited with code 1 while starting')."""
+    from bicodec_shm.errors import BiCodecShmError
+    from bicodec_shm.tools.soak import orchestrator
+
+    failing = [sys.executable, "-c", "import sys; print('cannot create the name: it is taken', "
+               "file=sys.stderr); sys.exit(1)"]  # fmt: skip
+    first = orchestrator._start(failing, str(tmp_path))
+    with pytest.raises(BiCodecShmError, match=r"exited with code 1 while starting; its output") as info:
+        orchestrator._wait_serving(f"bcshm-never-{os.getpid()}", first)
+    assert "cannot create the name: it is taken" in str(info.value)
+    second = orchestrator._start(failing, str(tmp_path))
+    second.wait()
+    assert sorted(os.listdir(tmp_path)) == ["server-0.log", "server-1.log"]  # each server its own log

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from ...deploy.processes import serve_command, stop_server, wait_until_serving
+from ...errors import BiCodecShmError
 from ...protocol.header import read_header
 from ...protocol.layout import SlotState
 from ...protocol.names import ServerState, leftover_objects, probe, random_name, unlink_all
@@ -68,8 +69,8 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     clients: dict[int, tuple[subprocess.Popen, str]] = {}
     kills = server_kills = term_restarts = forks = closes = stops = 0
     stopped: tuple[subprocess.Popen | int, float] | None = None  # (process or pid, until)
-    server = _start(server_cmd())
-    wait_until_serving(name, server)
+    server = _start(server_cmd(), work)
+    _wait_serving(name, server)
     t0 = time.monotonic()
 
     def spawn(k: int) -> None:
@@ -139,19 +140,19 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
                         server.wait()
                         server_kills += 1
                         time.sleep(rng.uniform(0.0, 2.0))  # clients must wait, then resubmit
-                        server = _start(server_cmd())
-                        wait_until_serving(name, server)
+                        server = _start(server_cmd(), work)
+                        _wait_serving(name, server)
                     next_server_kill = next_time(args.kill_server_every, time.monotonic())
                 if now >= next_term:
                     resume()
                     # A rolling restart: the new server starts at once and waits for the old
                     # one to finish its batch and let go of the name.
                     server.send_signal(signal.SIGTERM)
-                    replacement = _start(server_cmd())
+                    replacement = _start(server_cmd(), work)
                     if server.wait(60) != 0:
                         raise RuntimeError("the server did not stop cleanly on SIGTERM")
                     server = replacement
-                    wait_until_serving(name, server)
+                    _wait_serving(name, server)
                     term_restarts += 1
                     next_term = next_time(args.term_server_every, time.monotonic())
                 time.sleep(0.05)
@@ -293,8 +294,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+def _start(cmd: list[str], work: str) -> subprocess.Popen:
+    """Start a server whose output goes to ``server-K.log`` in ``work`` (K counts the servers
+    of the run), so that one that fails to start can say why (``_wait_serving``)."""
+    k = sum(1 for f in os.listdir(work) if f.startswith("server-"))
+    with open(os.path.join(work, f"server-{k}.log"), "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log.name  # type: ignore[attr-defined]
+    return proc
+
+
+def _wait_serving(name: str, server: subprocess.Popen) -> None:
+    """``wait_until_serving``; a server that exits or hangs while starting fails the soak with
+    the end of its output, which says why."""
+    try:
+        wait_until_serving(name, server)
+    except BiCodecShmError as exc:
+        with open(server.log_path, errors="replace") as f:  # type: ignore[attr-defined]
+            tail = "".join(f.readlines()[-20:])
+        raise BiCodecShmError(f"{exc}; its output ({server.log_path}):\n{tail}") from None
 
 
 def _leaked_slots(name: str, wait: float) -> int:

@@ -469,6 +469,12 @@ MUTANTS: tuple[Mutant, ...] = (
     m("bicodec-graph-on-padded-rows", "a padded BiCodec batch goes through the unpadded graph (no mask)",
       "bicodec_shm/model/bicodec/decoder.py", "if unpadded_forward is not None and lens is None:",
       "if unpadded_forward is not None:", "tests/test_traced.py", "-k", "bicodec_batches"),
+    m("stopping-phase-not-copied-to-the-name", "stop() marks STOPPING in the memfd only: a rolling "
+      "restart's successor under --mode 0o660 reads SERVING in the name's object and exits",
+      "bicodec_shm/protocol/segment.py", "            self.header[\"phase\"] = Phase.STOPPING\n"
+      "            self._copy_header()\n\n    def stop_serving",
+      "            self.header[\"phase\"] = Phase.STOPPING\n\n    def stop_serving",
+      "tests/test_review_findings.py", "-k", "successor_waits_for_a_server_that_finishes"),
     # -- the encode direction (audio in, codes back) ---------------------------------------------
     m("qwen3-loader-loads-upstreams-tokenizer", "install_loader leaves qwen-tts's tokenizer class in "
       "place: from_pretrained loads its weights", "bicodec_shm/integrations/qwen3_tts.py",

@@ -36,10 +36,19 @@ from .layout import (
     Layout,
     Phase,
     Status,
+    Transport,
 )
 from .locks import held_elsewhere
 from .names import validate_name
 from .objects import closed_to_us, open_object
+
+_TRANSPORT_OFF = HEADER_DT.fields["transport"][1]
+
+
+def transport_of(fd: int) -> int:
+    """The ``transport`` a named object's header says (a hint, read without pairing)."""
+    raw = os.pread(fd, 4, _TRANSPORT_OFF)
+    return int.from_bytes(raw, "little") if len(raw) == 4 else Transport.NAMED
 
 
 def _read_layout(name: str, fd: int) -> Layout:

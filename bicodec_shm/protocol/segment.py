@@ -83,7 +83,7 @@ from ..errors import (
 from . import locks
 from .handoff import Connection, Handoff, check_sealed, connect, create_sealed, is_socket, socket_path
 from .handoff import remove_stale_socket as _remove_stale_socket
-from .header import DESCRIPTION, _read_layout, description_digest, write_codec
+from .header import DESCRIPTION, _read_layout, description_digest, transport_of, write_codec
 from .layout import (
     BELL_BYTE0,
     CODEC_NAME_BYTES,
@@ -425,10 +425,8 @@ class Segment:
             h[f] = mine[f]
 
     def mark_stopping(self) -> None:
-        """Say that this server has begun to stop (the server only; safe in a signal handler):
-        a successor started now waits for it instead of refusing to start. Where the segment
-        is handed over a socket, the successor reads the phase in the name's own object, so
-        the header is copied there too."""
+        """This server has begun to stop: a successor started now waits for it (safe in a signal
+        handler). Under --mode 0o660 a successor reads the phase in the name's own object."""
         if self.header is not None:
             self.header["phase"] = Phase.STOPPING
             self._copy_header()
@@ -437,8 +435,7 @@ class Segment:
         """Release the SERVING lock: clients now resubmit what this server has not answered.
         A segment handed over a socket hangs up on every client too (their liveness signal)."""
         if self._lock_fd >= 0:
-            self.header["phase"] = Phase.STOPPING
-            self._copy_header()
+            self.mark_stopping()
             unlock(self._liveness_fd, SERVING_BYTE)
         handoff, self._handoff = self._handoff, None
         if handoff is not None:
@@ -479,7 +476,7 @@ class Segment:
                     f"{name!r} exists but no server serves it right now (it is starting, "
                     "stopping, or died)"
                 )
-            if _transport_of(fd) == Transport.SOCKET:  # its socket came or went just now
+            if transport_of(fd) == Transport.SOCKET:  # its socket came or went just now
                 raise ServerUnavailableError(f"{name!r} is served over {socket_path(name)}, not "
                                              "there right now (its server starts or stops)")  # fmt: skip
             layout = _read_layout(name, fd)  # ordered after the probe above
@@ -710,15 +707,6 @@ class Segment:
             f"<Segment {self.name!r} slots={self.layout.n_slots} "
             f"max_tokens={self.layout.max_tokens} size={self.layout.total_size}>"
         )
-
-
-_TRANSPORT_OFF = HEADER_DT.fields["transport"][1]
-
-
-def _transport_of(fd: int) -> int:
-    """The ``transport`` a named object's header says (a hint, read without pairing)."""
-    raw = os.pread(fd, 4, _TRANSPORT_OFF)
-    return int.from_bytes(raw, "little") if len(raw) == 4 else Transport.NAMED
 
 
 def _split(sem_name: str) -> tuple[str, int]:

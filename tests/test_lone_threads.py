@@ -41,9 +41,9 @@ def test_a_period_two_pattern_of_lengths_does_not_fool_it():
     lengths, so the faster count wins even though a strict A B A B would hand one count only
     the short ones (and make it look faster)."""
     lone = LoneThreads(cores=2, samples=8)
-    handed = _measure(lone, lambda n, t: (10 + 2 * t) * (1.0 if n == 2 else 1.5), [2, 50])
+    handed = _measure(lone, lambda n, t: (10 + 2 * t) * (1.0 if n == 1 else 1.5), [2, 50])
     assert sorted(set(zip(handed, [2, 50] * 8, strict=True))) == [(1, 2), (1, 50), (2, 2), (2, 50)]
-    assert lone.chosen == 2
+    assert lone.chosen == 1  # A B A B: two threads would see only the 2s, and win
 
 
 def test_batches_of_other_counts_and_empty_batches_are_not_counted():

@@ -390,16 +390,6 @@ MUTANTS: tuple[Mutant, ...] = (
       "bicodec_shm/server/lane_control.py",
       "if c <= LANES_PER_CORE * cores]", "if c <= cores]",
       "tests/test_lane_tuner.py", "-k", "fresh_server or settles"),
-    m("lone-lane-keeps-the-slower-count", "a lone CPU lane keeps the thread count its batches measured "
-      "slower", "bicodec_shm/server/lone_threads.py", "self.chosen = 1 if one < wide else self.cores",
-      "self.chosen = 1 if one > wide else self.cores", "tests/test_lone_threads.py"),
-    m("lone-lane-counts-alternate-strictly", "a lone lane alternates its thread counts A B A B: a stream's "
-      "short and long windows each go to one count", "bicodec_shm/server/lone_threads.py",
-      "position in (0, 3)", "position in (0, 2)", "tests/test_lone_threads.py", "-k", "period_two"),
-    m("lone-lane-threads-never-measured", "a lone CPU lane runs every core without measuring one",
-      "bicodec_shm/server/lane_control.py", "                return self.lone.next_threads(), parked",
-      "                return self.lone.threads, parked",
-      "tests/test_lane_tuner.py", "-k", "lone_lane_runs_the_thread_count"),
     m("short-batches-share-the-cores", "load predicts more lanes than cores behind batches of a few ms",
       "bicodec_shm/server/lane_tuner.py",
       "if self._cores is None or self._longest_ns >= LONG_BATCH_S * 1e9:", "if True:",

@@ -377,11 +377,11 @@ def test_a_prediction_is_measured_after_its_first_hold_and_replaced_when_slower(
                          ids=["one-client", "four-clients", "four-clients-one-row-batches"])  # fmt: skip
 def test_a_fresh_server_starts_from_the_load_without_exploring(clients, max_batch, expected, thread_server,
                                                                shm_name, two_cores):  # fmt: skip
-    """A real server, closed-loop client processes: one client keeps the one lane the load is
-    read on (with both cores, once a lone lane's thread count is measured), four get two
-    one-thread lanes (the most that do not share a core: their batches are short) within their
-    first batches; neither explores during the first hold. With batches of one row the load
-    shows only as requests waiting when a batch is planned."""
+    """A real server, closed-loop client processes: one client keeps the one two-thread lane
+    the load is read on, four get two one-thread lanes (the most that do not share a core:
+    their batches are short) within their first batches; neither explores during the first
+    hold. With batches of one row the load shows only as requests waiting when a batch is
+    planned."""
     decoder = PlantedCostDecoder(**LIGHT_LOAD)
     server = thread_server(decoder, max_batch=max_batch,
                            lane_tuning=LaneTuning(min_batches=4, min_seconds=0.3,
@@ -402,37 +402,12 @@ def test_a_fresh_server_starts_from_the_load_without_exploring(clients, max_batc
     # The load is read on one lane with both cores: one client's every batch has both (the
     # reading costs it nothing); four clients' first batch or two (until a plan finds more
     # than one request waiting and that batch ends), then one thread for each of two lanes.
-    if expected == 1:  # one lane: its thread count measured (2, 1, 1, 2, ...), then held
-        assert threads[:16] == [2, 1, 1, 2] * 4, threads[:20]
-        assert set(threads[16:]) == {2}, threads[:40]  # planted: two threads decode 1.61x faster
+    if expected == 1:
+        assert set(threads) == {2}, threads[:10]
     else:
         switched = threads.index(1)
         assert switched in (1, 2, 3) and set(threads[:switched]) == {2}, threads[:10]
         assert set(threads[switched:]) == {1}, threads[:20]
-
-
-@pytest.mark.parametrize("speedup, chosen", [({1: 1.0, 2: 0.5}, 1), ({1: 1.0, 2: 1.61}, 2)],
-                         ids=["two-threads-slower", "two-threads-faster"])  # fmt: skip
-def test_a_lone_lane_runs_the_thread_count_its_batches_measure_faster(speedup, chosen, thread_server,
-                                                                      shm_name, two_cores):  # fmt: skip
-    """One client, so one lane: its first 16 batches alternate two threads and one (2, 1, 1, 2,
-    ...), and the count that decoded them faster runs from then on, every later batch; one
-    thread where the planted decoder runs twice as slow on two (a small model whose threads
-    hand off more than they share)."""
-    decoder = PlantedCostDecoder(a_ms=2.0, b_ms=2.0, speedup=speedup)
-    server = thread_server(decoder, lane_tuning=LaneTuning(min_batches=4, min_seconds=0.3,
-                                                           first_hold_seconds=600.0))  # fmt: skip
-    procs = _closed_loop_clients(shm_name, 1, tokens=20)
-    try:
-        deadline = time.monotonic() + 60
-        while len(decoder.threads_seen) < 40:
-            assert time.monotonic() < deadline, decoder.threads_seen
-            time.sleep(0.05)
-    finally:
-        _stop(procs)
-    threads = decoder.threads_seen
-    assert threads[:16] == [2, 1, 1, 2] * 4 and set(threads[16:]) == {chosen}, threads[:40]
-    assert server.lanes == 1 and server.threads_per_lane == chosen
 
 
 def test_bad_tuner_settings_are_refused():

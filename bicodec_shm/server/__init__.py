@@ -5,7 +5,6 @@ requests.
     lanes.py        decode lanes: run a planned batch on the device, convert, copy back
     lane_tuner.py   how many lanes (and threads each), measured on the live traffic
     lane_control.py which lanes take batches now, and each one's threads (the tuner applied)
-    lone_threads.py a lone CPU lane's threads: every core or one, measured on its first batches
     batching.py     which ready requests go together: length classes and the token budget
     batch_costs.py  what a batch costs, fitted on the server's own batches; batch only where it pays
     dispatch_policy.py  plan the next batch now, or wait for the running batch's clients: measured

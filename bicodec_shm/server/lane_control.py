@@ -3,8 +3,7 @@ the lane tuner's choice (lane_tuner.py) applied as it measures.
 
 Lane threads are started up to ``max_lanes``; the ones beyond ``lanes`` are *parked*: a lane asks
 for its turn (``turn``) before each batch, which blocks while it is parked and then tells it its
-thread count (the cores split evenly between the lanes running; a lone lane's, every core or one,
-measured: lone_threads.py). Every decoded batch is measured
+thread count (the cores split evenly between the lanes running). Every decoded batch is measured
 (``begin``, ``end``: its share of the busy time) and given to the tuner, whose choice is applied
 from the next batch on.
 """
@@ -15,9 +14,8 @@ import threading
 from collections.abc import Callable
 
 from ..protocol.slot_io import Batch
-from .lane_tuner import BatchMeter, BatchSample, Choice, LaneTuner, LaneTuning
+from .lane_tuner import BatchMeter, Choice, LaneTuner, LaneTuning
 from .lanes import lane_threads
-from .lone_threads import LoneThreads
 
 # Lanes on CPU: the server measures which count serves best (lane_tuner.py) among these, up to
 # twice the cores it has, starting from the one the load predicts, read on one lane with every
@@ -57,8 +55,6 @@ class LaneControl:
             self.tuner = LaneTuner(candidates, lanes, tuning, predict=True, cores=cores)
         self.lanes = lanes or 1  # lanes taking batches now (the tuner may change it)
         self.max_lanes = candidates[-1] if self.tuner else self.lanes  # lane threads started
-        # Where the tuner measures the lane count, a lone lane's thread count is measured too.
-        self.lone = LoneThreads(cores) if self.tuner is not None else None
         self._on_change = on_change
         self._turns = threading.Condition()  # parked lanes wait here for their turn
         self._tuner_lock = threading.Lock()
@@ -66,13 +62,8 @@ class LaneControl:
 
     @property
     def threads_per_lane(self) -> int | None:
-        """Each CPU lane's share of the cores now (None on a device: the host threads only launch);
-        a lone lane's, as measured (every core while it is measured)."""
-        if self.pipelined:
-            return None
-        if self.lanes == 1 and self.lone is not None:
-            return self.lone.threads
-        return max(1, self.cores // self.lanes)
+        """Each CPU lane's share of the cores now (None on a device: the host threads only launch)."""
+        return None if self.pipelined else max(1, self.cores // self.lanes)
 
     def turn(self, lane: int, stop: threading.Event, poll: float) -> tuple[int | None, bool]:
         """Block while ``lane`` is parked; then (its thread count for the next batch, whether
@@ -82,11 +73,7 @@ class LaneControl:
             while lane >= self.lanes and not stop.is_set():
                 parked = True
                 self._turns.wait(poll)
-            if stop.is_set():
-                return None, parked
-            if self.lanes == 1 and self.lone is not None:
-                return self.lone.next_threads(), parked  # every core or one, in turn while measured
-            return self.threads_per_lane, parked
+            return (None if stop.is_set() else self.threads_per_lane), parked
 
     def wake(self) -> None:
         """Wake every parked lane to look at its stop event again (the server stops)."""
@@ -113,12 +100,7 @@ class LaneControl:
         # Nor a batch that traced a graph (``Batch.warmup_ns``): a one-off 20-50 times a tiny
         # decoder's batch, which would read as a long batch and predict lanes sharing the cores.
         threads = lane_threads()
-        if sample is None or batch.warmup_ns:
-            return None
-        self._measure_lone(sample, threads, batch)
-        # While a lone lane's thread count is measured, its batches alternate counts: they still
-        # read the load (which does not depend on it), but compare no arrangement.
-        if threads != self.threads_per_lane and (self.tuner.comparing or self.lanes != 1):
+        if sample is None or batch.warmup_ns or threads != max(1, self.cores // self.tuner.lanes):
             return None
         if not self.tuner.reading_load and not settled(threads):
             return None
@@ -131,10 +113,3 @@ class LaneControl:
             self._on_change(choice.lanes)
         return choice
 
-    def _measure_lone(self, sample: BatchSample, threads: int | None, batch: Batch) -> None:
-        """Give a batch that ran alone on the lone lane to its thread count's measurement."""
-        alone = sample.share_ns * 1.05 >= sample.decode_ns  # no other lane decoded beside it
-        if self.lone is None or not self.lone.measuring or self.lanes != 1 or not alone:
-            return
-        with self._tuner_lock:  # a lane finishing its last batch beside the new lone one
-            self.lone.add(threads, len(batch.requests) * batch.frames, sample.decode_ns)

@@ -356,12 +356,6 @@ class LaneTuner:
         return self._window is not None or self._load is not None
 
     @property
-    def comparing(self) -> bool:
-        """True while arrangements are measured against each other (EXPLORE): their batches must
-        run on the arrangement's own thread count."""
-        return self._window is not None
-
-    @property
     def reading_load(self) -> bool:
         """True while the load is read (START): every batch counts, the batching policy measured
         or not (how many requests decode at once does not depend on it)."""

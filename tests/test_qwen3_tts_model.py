@@ -290,13 +290,14 @@ def test_reduced_precision_stays_close_and_batches_exactly(tiny, dtype):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_full_size_matches_qwen_tts_across_the_chunk(record_property):
-    """The published architecture (random weights): a mixed-length batch across the chunk
-    against qwen-tts's decode of it, row by row; the short row also against its lone decode (a
-    lone 301-frame decode at full size costs as much as the batch: batched rows against lone
-    decodes are checked at tiny size and through the server)."""
+def test_full_size_matches_qwen_tts_past_the_attention_window(record_property):
+    """The published architecture (random weights): a mixed-length batch past the 72-frame
+    attention window against qwen-tts's decode of it, row by row; the short row also against its
+    lone decode. The 300-frame chunk is cut in Python the same way at every size: crossing it is
+    checked at tiny size (above) and through the server, where a full-size decode of 301 frames
+    would cost this 2-core CI a minute and a half."""
     model = Qwen3TTSDecoder.from_config("qwen3-tts-12hz", seed=0)
-    worst = check_against_upstream(model, upstream_twin(model), [301, 2], seed=9, lone_rows=1)
+    worst = check_against_upstream(model, upstream_twin(model), [80, 2], seed=9, lone_rows=1)
     record_property("qwen3_full_max_abs_vs_qwen_tts", worst)
 
 

@@ -294,8 +294,8 @@ def test_full_size_matches_qwen_tts_past_the_attention_window(record_property):
     """The published architecture (random weights): a mixed-length batch past the 72-frame
     attention window against qwen-tts's decode of it, row by row; the short row also against its
     lone decode. The 300-frame chunk is cut in Python the same way at every size: crossing it is
-    checked at tiny size (above) and through the server, where a full-size decode of 301 frames
-    would cost this 2-core CI a minute and a half."""
+    checked at tiny size (above) and through the server (a full-size batch of 301 frames takes
+    about two minutes on a 2-core CPU)."""
     model = Qwen3TTSDecoder.from_config("qwen3-tts-12hz", seed=0)
     worst = check_against_upstream(model, upstream_twin(model), [80, 2], seed=9, lone_rows=1)
     record_property("qwen3_full_max_abs_vs_qwen_tts", worst)

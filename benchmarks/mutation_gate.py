@@ -956,6 +956,15 @@ MUTANTS: tuple[Mutant, ...] = (
       "with no lead: a new stream's first window waits behind every late window seen before it",
       "bicodec_shm/client/streaming.py", "time.monotonic()) + PLAYING_LEAD_S}", "time.monotonic())}",
       "tests/test_due_order.py", "-k", "first_window_due_now"),
+    m("lone-lane-never-drops-a-thread", "a lone request of a few milliseconds runs on every core, "
+      "where the second thread stalls it whenever the client holds a core",
+      "bicodec_shm/server/lanes.py", "if threads and threads > 1 and self._one_thread is not None",
+      "if False and threads and threads > 1 and self._one_thread is not None",
+      "tests/test_lane_tuner.py", "-k", "few_millisecond"),
+    m("one-thread-ignores-the-queue", "a short request drops to one thread while others wait: a "
+      "loaded lone lane runs on one core", "bicodec_shm/server/lane_control.py",
+      "len(batch.requests) != 1 or batch.queued != 1:", "len(batch.requests) != 1:",
+      "tests/test_lane_tuner.py", "-k", "lone_measured_short"),
     # -- Qwen3-TTS's 12 Hz tokenizer against qwen-tts ---------------------------------------------
     m("qwen3-conv-pads-both-sides", "the causal convolutions pad half their history on the right "
       "(a 'same' convolution): not causal, and not upstream's audio",

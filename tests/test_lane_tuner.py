@@ -542,3 +542,60 @@ def test_a_fixed_lane_count_is_never_changed(thread_server, shm_name, two_cores)
         _stop(procs)
     assert server.lane_choices == [] and server.lanes == 2
     assert set(decoder.threads_seen) == {1}  # two lanes of one thread each, throughout
+
+
+# --- a lone request of a few milliseconds on one thread (lane_control.ONE_THREAD_BELOW_NS) ----
+
+# Planted: a 10-token request takes ~0.8 ms on one thread and ~0.7 ms on two (under the bound),
+# or 26 ms on two (over it: LIGHT_LOAD).
+FEW_MS = dict(a_ms=0.3, b_ms=0.05, speedup={1: 1.0, 2: 1.2})
+
+
+@pytest.mark.parametrize("model, threads", [(FEW_MS, {1}), (LIGHT_LOAD, {2})], ids=["few-ms", "26-ms"])
+def test_a_lone_clients_few_millisecond_requests_run_on_one_thread_and_long_ones_on_every_core(
+        model, threads, thread_server, shm_name, two_cores):  # fmt: skip
+    """One client, one request at a time, a lone lane of two threads: once three of its
+    requests are measured on the lane's two threads, a request planted under 10 ms runs on one
+    thread from then on, one planted over it on both, throughout."""
+    decoder = PlantedCostDecoder(**model)
+    server = thread_server(decoder, lanes=1)
+    assert server.threads_per_lane == 2
+    procs = _closed_loop_clients(shm_name, 1, tokens=10)
+    try:
+        deadline = time.monotonic() + 60
+        while len(decoder.threads_seen) < 24:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        _stop(procs)
+    assert set(decoder.threads_seen[:3]) == {2}  # measured on the lane's threads first
+    assert set(decoder.threads_seen[8:]) == threads, decoder.threads_seen
+
+
+def _one_thread_pays(rows: int = 1, queued: int = 1, lone_ms: float | None = 3.0, frames: int = 5, *,
+                     pipelined: bool = False, encode: bool = False, on_one: bool = False) -> bool:
+    from types import SimpleNamespace
+
+    from bicodec_shm.server.batch_costs import BatchCosts
+    from bicodec_shm.server.lane_control import LaneControl
+
+    costs = BatchCosts(min_fill=0.5)
+    for _ in range(3 if lone_ms is not None else 0):
+        costs.add(1 if on_one else lane_threads(), 1, frames, frames, int(lone_ms * 1e6))  # a lone row's
+    control = LaneControl(1, cores=2, tunable=False, pipelined=pipelined, tuning=None,
+                          on_change=lambda lanes: None)  # fmt: skip
+    batch = SimpleNamespace(requests=list(range(rows)), queued=queued, frames=frames,
+                            audio=object() if encode else None)  # fmt: skip
+    return control.one_thread_pays(batch, costs)
+
+
+def test_only_a_lone_measured_short_decode_drops_to_one_thread():
+    assert _one_thread_pays()
+    assert not _one_thread_pays(lone_ms=12.0)  # measured over the bound
+    assert not _one_thread_pays(lone_ms=None)  # not measured yet
+    assert _one_thread_pays(on_one=True)  # measured on one thread only (the lane's aged out)
+    assert not _one_thread_pays(on_one=True, lone_ms=12.0)
+    assert not _one_thread_pays(rows=2, queued=2)  # a batch: every core
+    assert not _one_thread_pays(queued=2)  # another request waits: load, every core
+    assert not _one_thread_pays(pipelined=True)  # on a device the lanes set no threads
+    assert not _one_thread_pays(encode=True)  # an encode's costs are the encoder's

@@ -244,6 +244,19 @@ class BatchCosts:
         s = self._by_key.get(key)
         return s.fit if s is not None and s.fit is not None else self._latest.get(_kind(key))
 
+    def lone_ns(self, key: Hashable, length: int) -> float | None:
+        """What one row of ``length`` tokens costs alone under ``key``: the key's own fit, or
+        before one (one client never makes a batched sample), the median of its last lone
+        samples of that length (three at least); None while neither exists."""
+        with self._lock:
+            s = self._by_key.get(key)
+            if s is None:
+                return None
+            if s.fit is not None:
+                return s.fit.lone_ns(length)
+            same = [ns for rows, longest, _, ns in s.lone if longest == length]
+        return float(np.median(same)) if len(same) >= 3 else None
+
     def own_fit(self, key: Hashable) -> CostFit | None:
         s = self._by_key.get(key)
         return None if s is None else s.fit

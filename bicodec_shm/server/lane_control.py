@@ -5,7 +5,8 @@ Lane threads are started up to ``max_lanes``; the ones beyond ``lanes`` are *par
 for its turn (``turn``) before each batch, which blocks while it is parked and then tells it its
 thread count (the cores split evenly between the lanes running). Every decoded batch is measured
 (``begin``, ``end``: its share of the busy time) and given to the tuner, whose choice is applied
-from the next batch on.
+from the next batch on. One exception to the even split: a lone request with nothing behind it
+and a decode of a few milliseconds runs on one thread (``one_thread_pays``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from ..protocol.slot_io import Batch
+from .batch_costs import BatchCosts
 from .lane_tuner import BatchMeter, Choice, LaneTuner, LaneTuning
 from .lanes import lane_threads
 
@@ -28,6 +30,15 @@ from .lanes import lane_threads
 # More than 4 is left to --lanes: each lane holds a batch's activations of its own.
 CPU_LANE_CANDIDATES = (1, 2, 4)
 LANES_PER_CORE = 2  # the most lanes the tuner tries per core
+# A lone request measured to decode in less than this on its lane's threads runs on one thread.
+# A second intra-op thread saves at most half of such a decode (tiny Qwen3-TTS's first window:
+# 5.8 ms on one thread, 6.7 ms on two, eager and idle), while each parallel region makes the
+# lane wait for both threads: when a core is busy elsewhere (the client that just sent the
+# request, libgomp's idle threads spinning), the decode stalls 10-20 ms. On a 2-core CPU, a
+# server trace: the 2-frame window's p90 17.8 ms on two threads; one worker's first-audio p95
+# 102 ms, and 91-92 ms with these on one thread, against 94-95 ms with a decoder in the worker.
+# A full-size decoder's windows (200 ms and more) and every batch under load keep every core.
+ONE_THREAD_BELOW_NS = 10_000_000
 
 
 class LaneControl:
@@ -79,6 +90,19 @@ class LaneControl:
         """Wake every parked lane to look at its stop event again (the server stops)."""
         with self._turns:  # a reentrant lock: safe from a signal handler of a lane's thread
             self._turns.notify_all()
+
+    def one_thread_pays(self, batch: Batch, costs: BatchCosts) -> bool:
+        """Decode ``batch`` on one thread although the calling lane has more: one row, nothing
+        else waiting (``Batch.queued``), and its cost alone as measured (``costs.lone_ns``) on
+        the lane's threads, or where those samples have aged out, on one thread, under
+        ``ONE_THREAD_BELOW_NS``. Its cost then counts under one thread (``lane_threads()`` says
+        1 while it runs), and the tuner leaves it out: it measures neither arrangement."""
+        if self.pipelined or batch.audio is not None or len(batch.requests) != 1 or batch.queued != 1:
+            return False
+        predicted = costs.lone_ns(lane_threads(), batch.frames)
+        if predicted is None:
+            predicted = costs.lone_ns(1, batch.frames)
+        return predicted is not None and predicted < ONE_THREAD_BELOW_NS
 
     def begin(self, batch: Batch) -> None:
         if self.tuner is not None:

@@ -316,6 +316,8 @@ class Lane:
         turn: ``turn(index)`` -> this lane's thread count for its next batch, blocking while
             the lane is parked; None once the server is stopping (sequential lanes only; None:
             always this lane's turn, with ``threads``).
+        one_thread: ``one_thread(batch)`` -> True to decode that batch on one thread, whatever
+            the lane's count (``lane_control.ONE_THREAD_BELOW_NS``; sequential lanes only).
     """
 
     def __init__(self, index: int, runner: Runner, *,
@@ -325,7 +327,8 @@ class Lane:
                  started: Callable[[Batch, int], None],
                  finished: Callable[[Batch, int], None],
                  threads: int | None, pipeline: bool,
-                 turn: Callable[[int], int | None] | None = None) -> None:  # fmt: skip
+                 turn: Callable[[int], int | None] | None = None,
+                 one_thread: Callable[[Batch], bool] | None = None) -> None:  # fmt: skip
         self.index = index
         self.runner = runner
         self._take = take
@@ -334,6 +337,7 @@ class Lane:
         self.threads = threads
         self.pipeline = pipeline
         self._turn = turn
+        self._one_thread = one_thread
 
     def start_thread(self) -> threading.Thread:
         thread = threading.Thread(target=self.run, name=f"bicodec-shm-lane-{self.index}", daemon=True)
@@ -369,7 +373,15 @@ class Lane:
             if batch is STOP:
                 return
             self._on_start(batch, self.index)
-            self._decode_and_release(batch)
+            threads = lane_threads()
+            if threads and threads > 1 and self._one_thread is not None and self._one_thread(batch):
+                self._set_threads(1)
+                try:
+                    self._decode_and_release(batch)
+                finally:  # the lane's count again, whatever ended the decode
+                    self._set_threads(threads)
+            else:
+                self._decode_and_release(batch)
 
     def _run_pipelined(self) -> None:
         prev: _InFlight | None = None

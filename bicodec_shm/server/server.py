@@ -292,7 +292,8 @@ class DecoderServer:
                  fail=self._fail_row,
                  started=self._lane_started, finished=self._lane_finished,
                  threads=self.threads_per_lane, pipeline=self._pipeline,
-                 turn=self._turn if self._lanes.tuner else None)
+                 turn=self._turn if self._lanes.tuner else None,
+                 one_thread=lambda b: self._lanes.one_thread_pays(b, self._planner.costs))
             for i in range(self.max_lanes)
         ]  # fmt: skip
         threads: list[threading.Thread] = []

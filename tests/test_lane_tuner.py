@@ -491,6 +491,19 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         reap(p)
 
 
+def _decode_batches(name: str, decoder: PlantedCostDecoder, *, clients: int, tokens: int,
+                    batches: int) -> None:
+    """Run ``clients`` closed-loop clients until ``decoder`` has decoded ``batches`` batches."""
+    procs = _closed_loop_clients(name, clients, tokens=tokens)
+    try:
+        deadline = time.monotonic() + 60
+        while len(decoder.threads_seen) < batches:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        _stop(procs)
+
+
 # Wide wins: a large fixed cost that two threads halve; one lane's batch of 4 costs half of
 # what each of two lanes' batches of 2 costs -> 1 lane serves 2x. Narrow wins: threads do not
 # help, and the per-token cost dominates -> two lanes' batches of 2 in parallel serve ~1.8x,
@@ -532,14 +545,7 @@ def test_the_server_settles_on_the_arrangement_the_planted_model_makes_faster(
 def test_a_fixed_lane_count_is_never_changed(thread_server, shm_name, two_cores):
     decoder = PlantedCostDecoder(**WIDE_WINS)  # one lane would be faster
     server = thread_server(decoder, lanes=2, lane_tuning=LaneTuning(min_batches=1, min_seconds=0.0))
-    procs = _closed_loop_clients(shm_name, 4, tokens=20)
-    try:
-        deadline = time.monotonic() + 60
-        while len(decoder.threads_seen) < 40:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    finally:
-        _stop(procs)
+    _decode_batches(shm_name, decoder, clients=4, tokens=20, batches=40)
     assert server.lane_choices == [] and server.lanes == 2
     assert set(decoder.threads_seen) == {1}  # two lanes of one thread each, throughout
 
@@ -560,14 +566,7 @@ def test_a_lone_clients_few_millisecond_requests_run_on_one_thread_and_long_ones
     decoder = PlantedCostDecoder(**model)
     server = thread_server(decoder, lanes=1)
     assert server.threads_per_lane == 2
-    procs = _closed_loop_clients(shm_name, 1, tokens=10)
-    try:
-        deadline = time.monotonic() + 60
-        while len(decoder.threads_seen) < 24:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    finally:
-        _stop(procs)
+    _decode_batches(shm_name, decoder, clients=1, tokens=10, batches=24)
     assert set(decoder.threads_seen[:3]) == {2}  # measured on the lane's threads first
     assert set(decoder.threads_seen[8:]) == threads, decoder.threads_seen
 

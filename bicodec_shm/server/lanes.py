@@ -375,10 +375,10 @@ class Lane:
             self._on_start(batch, self.index)
             threads = lane_threads()
             if threads and threads > 1 and self._one_thread is not None and self._one_thread(batch):
-                self._set_threads(1)
                 try:
+                    self._set_threads(1)
                     self._decode_and_release(batch)
-                finally:  # the lane's count again, whatever ended the decode
+                finally:  # the lane's count again, whatever ended the decode (a signal's exception too)
                     self._set_threads(threads)
             else:
                 self._decode_and_release(batch)

@@ -123,7 +123,9 @@ def test_encode_rows_batch_together_apart_from_decodes_and_each_equals_its_lone_
         assert isinstance(result, EncodedAudio) and result.global_ids.shape == (32,)
         assert result.semantic_ids.dtype == np.int32 and len(result.codes) == 1
         assert_lone_encode(result, clip)
-    assert sum(encoder.rows) == 4 and max(encoder.rows) >= 3, encoder.rows  # batched, never with the decode
+    # Batched, never with the decode: the batch held at the gate (one encode or more, as many as
+    # were ready when it was planned) and one batch of the rest.
+    assert sum(encoder.rows) == 4 and len(encoder.rows) <= 2, encoder.rows
 
 
 def test_a_failing_encode_fails_alone_and_its_batchmates_get_their_ids(thread_server, shm_name):

@@ -958,8 +958,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "tests/test_due_order.py", "-k", "first_window_due_now"),
     m("lone-lane-never-drops-a-thread", "a lone request of a few milliseconds runs on every core, "
       "where the second thread stalls it whenever the client holds a core",
-      "bicodec_shm/server/lanes.py", "if threads and threads > 1 and self._one_thread is not None",
-      "if False and threads and threads > 1 and self._one_thread is not None",
+      "bicodec_shm/server/lanes.py", "if not (threads and threads > 1 and self._one_thread is not None",
+      "if True or not (threads and threads > 1 and self._one_thread is not None",
       "tests/test_lane_tuner.py", "-k", "few_millisecond"),
     m("one-thread-ignores-the-queue", "a short request drops to one thread while others wait: a "
       "loaded lone lane runs on one core", "bicodec_shm/server/lane_control.py",

@@ -373,15 +373,7 @@ class Lane:
             if batch is STOP:
                 return
             self._on_start(batch, self.index)
-            threads = lane_threads()
-            if threads and threads > 1 and self._one_thread is not None and self._one_thread(batch):
-                try:
-                    self._set_threads(1)
-                    self._decode_and_release(batch)
-                finally:  # the lane's count again, whatever ended the decode (a signal's exception too)
-                    self._set_threads(threads)
-            else:
-                self._decode_and_release(batch)
+            self._release_after(batch, self._decode_on_its_threads, batch)
 
     def _run_pipelined(self) -> None:
         prev: _InFlight | None = None
@@ -418,6 +410,19 @@ class Lane:
             self._decode_and_release(inflight.batch)
             return
         self._publish_and_release(inflight.batch, decoded, time.perf_counter_ns() - inflight.t0)
+
+    def _decode_on_its_threads(self, batch: Batch) -> None:
+        """Decode ``batch`` with the lane's threads, or one thread if ``one_thread`` says so;
+        inside ``_release_after``, so that even the choice failing releases the batch."""
+        threads = lane_threads()
+        if not (threads and threads > 1 and self._one_thread is not None and self._one_thread(batch)):
+            self._decode(batch)
+            return
+        try:
+            self._set_threads(1)
+            self._decode(batch)
+        finally:  # the lane's count again, whatever ended the decode (a signal's exception too)
+            self._set_threads(threads)
 
     def _decode_and_release(self, batch: Batch) -> None:
         self._release_after(batch, self._decode, batch)

@@ -129,6 +129,54 @@ def test_a_stop_signal_at_any_moment_stops_the_server_promptly_and_leaves_nothin
     assert took < PROMPT, where
 
 
+# A launcher whose `import torch` is signalled as it begins, and says when it ended.
+_SIGNAL_IN_TORCH_IMPORT = """
+import importlib.abc, importlib.util, os, runpy, signal, sys
+
+class SignalAtTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            os.kill(os.getpid(), signal.SIG{sig})
+            run(module)
+            print("torch imported", file=sys.stderr, flush=True)
+        spec.loader.exec_module = exec_module
+        return spec
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.meta_path.insert(0, SignalAtTorch())
+runpy.run_module("bicodec_shm", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_stop_signal_while_torch_imports_is_held_until_the_import_ends(shm_name, tmp_path, sig):
+    """No stop signal raises inside torch's import: torch runs Python inside C++ callbacks there,
+    and the exception a handler raises in one ends the process in ``std::terminate``, past every
+    clean-up (a reserved name was once left behind so). The signal is recorded, the import
+    finishes, and the start-up then stops cleanly: 130 or 143, nothing left."""
+    log = open(tmp_path / "serve.log", "w+")
+    proc = _serve(shm_name, log, _SIGNAL_IN_TORCH_IMPORT.format(sig=sig))
+    try:
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        said = log.read()
+        log.close()
+    assert leftover_objects(shm_name) == [], said
+    assert "torch imported" in said, said  # the signal did not cut torch's import short
+    assert f"received SIG{sig} while starting: stopping" in said, said
+    assert code == 128 + getattr(signal, f"SIG{sig}"), said
+
+
 def test_a_server_started_with_sigint_ignored_says_so_and_stops_on_sigterm(shm_name, tmp_path):
     log = open(tmp_path / "serve.log", "w+")
     proc = _serve(shm_name, log, SIGINT_IGNORED)

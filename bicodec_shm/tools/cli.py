@@ -49,7 +49,15 @@ from ..server.batching import (
 from ..server.dispatch_policy import DISPATCH_MODES
 from ..server.signals import StartupSignals, sigint_ignored
 from .decode_cmd import _cmd_decode
-from .model_args import CODECS, add_model_args, check_encodable, load_decoder, load_encoder, resolve_preset
+from .model_args import (
+    CODECS,
+    add_model_args,
+    check_encodable,
+    import_model_code,
+    load_decoder,
+    load_encoder,
+    resolve_preset,
+)
 from .stats_cmd import _cmd_stats, marked_stopping, pid_clause
 
 DEFAULT_NAME = "bicodec-shm"
@@ -354,8 +362,13 @@ def _serve_one(args: argparse.Namespace) -> int:
         # the clients of a server that just stopped (a rolling restart) wait for this one.
         reserved = reserve_name(args.name, mode=args.mode, wait=DEFAULT_START_WAIT)
         try:
+            # A signal while torch imports would end the process where no clean-up runs
+            # (import_model_code): it is only recorded then, and stops the start-up after.
+            startup.deferred()
             from ..server.server import DecoderServer
 
+            import_model_code(args)
+            startup.interruptible()
             decoder = load_decoder(args)
             encoder = load_encoder(args) if args.encode else None  # no --encode: nothing loaded
         except BaseException:

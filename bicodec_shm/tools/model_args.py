@@ -96,6 +96,26 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
     return decoder
 
 
+def import_model_code(args: argparse.Namespace) -> None:
+    """Import, building nothing, the code ``load_decoder`` and ``load_encoder`` will run: torch,
+    the codec's decoder module, and with ``--encode`` its encoder's (transformers, for some).
+
+    ``serve`` imports it with stop signals held back: torch's import runs Python inside C++
+    callbacks, where the exception a signal handler raises cannot unwind, and the process ends
+    in ``std::terminate`` (no ``finally`` runs: the name it reserved stays in /dev/shm)."""
+    import importlib
+
+    from ..model.bicodec import buckets, graphs  # noqa: F401  (load_decoder's own imports)
+    from ..model.devices import resolve_device  # noqa: F401
+    from ..model.registry import decoder_class
+
+    codec = getattr(args, "codec", "bicodec")
+    decoder_class(codec)
+    if getattr(args, "encode", False):
+        check_encodable(codec)
+        importlib.import_module(ENCODERS[codec][0])
+
+
 # Codecs `serve --encode` has an encoder for: codec -> (module, class), imported on demand.
 ENCODERS = {
     "bicodec": ("bicodec_shm.model.bicodec.tokenizer", "BiCodecEncoder"),

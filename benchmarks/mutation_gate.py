@@ -128,6 +128,11 @@ MUTANTS: tuple[Mutant, ...] = (
       "an interrupt between creating the name and returning it leaves the name's file",
       "bicodec_shm/protocol/names.py", "        _remove_unowned_reservation(name)\n        raise\n",
       "        raise\n", "tests/test_server_signals.py", "-k", "interrupt_between"),
+    m("stop-signal-raises-inside-torch-import",
+      "a stop signal raises while torch imports, where Python runs inside C++ callbacks and the "
+      "exception can end the process in std::terminate, leaving the reserved name",
+      "bicodec_shm/tools/cli.py", "            startup.deferred()\n            from ..server.server",
+      "            from ..server.server", "tests/test_server_signals.py", "-k", "torch_imports"),
     m("f28-13-no-stack-dump-on-sigusr1", "SIGUSR1 does not print a serving server's stacks",
       "bicodec_shm/tools/cli.py", "    dumps = _register_stack_dumps()\n", "    dumps = False\n",
       "tests/test_server_signals.py", "-k", "sigusr1"),

@@ -51,6 +51,17 @@ def _wait(condition, proc: subprocess.Popen, timeout: float = 120.0) -> None:
         time.sleep(0.002)
 
 
+def _stop_and_read(proc: subprocess.Popen, log) -> str:
+    """Kill the server if it still runs; what it wrote to ``log`` (then closed)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.seek(0)
+    said = log.read()
+    log.close()
+    return said
+
+
 def _load(name: str, stop: threading.Event) -> None:
     """Requests in flight until ``stop`` (they may fail once the server stops: that is fine)."""
     try:
@@ -111,12 +122,7 @@ def test_a_stop_signal_at_any_moment_stops_the_server_promptly_and_leaves_nothin
         stop_load.set()
         if loader is not None:
             loader.join(30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        said = log.read()[-4000:]
-        log.close()
+        said = _stop_and_read(proc, log)[-4000:]
     where = f"{signal.Signals(sig).name} at {moment!r} (random delay {delay:.2f} s):\n{said}"
     assert code is not None, f"not stopped {PROMPT:g} s after {where}"
     assert leftover_objects(shm_name) == [], f"objects left after {where}"
@@ -165,12 +171,7 @@ def test_a_stop_signal_while_torch_imports_is_held_until_the_import_ends(shm_nam
     try:
         code = proc.wait(120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        said = log.read()
-        log.close()
+        said = _stop_and_read(proc, log)
     assert leftover_objects(shm_name) == [], said
     assert "torch imported" in said, said  # the signal did not cut torch's import short
     assert f"received SIG{sig} while starting: stopping" in said, said
@@ -188,12 +189,7 @@ def test_a_server_started_with_sigint_ignored_says_so_and_stops_on_sigterm(shm_n
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(PROMPT) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        said = log.read()
-        log.close()
+        said = _stop_and_read(proc, log)
     assert "SIGINT is ignored here, as in a background job: stop it with SIGTERM" in said, said
     assert leftover_objects(shm_name) == []
 

@@ -97,16 +97,15 @@ def load_decoder(args: argparse.Namespace, *, announce: bool = True):  # -> BiCo
 
 
 def import_model_code(args: argparse.Namespace) -> None:
-    """Import, building nothing, the code ``load_decoder`` and ``load_encoder`` will run: torch,
-    the codec's decoder module, and with ``--encode`` its encoder's (transformers, for some).
+    """Import, building nothing, the codec's decoder module and with ``--encode`` its encoder's:
+    with them torch, and transformers for some encoders. What ``load_decoder`` imports besides
+    is this package's own code over torch, imported once torch is.
 
     ``serve`` imports it with stop signals held back: torch's import runs Python inside C++
     callbacks, where the exception a signal handler raises cannot unwind, and the process ends
     in ``std::terminate`` (no ``finally`` runs: the name it reserved stays in /dev/shm)."""
     import importlib
 
-    from ..model.bicodec import buckets, graphs  # noqa: F401  (load_decoder's own imports)
-    from ..model.devices import resolve_device  # noqa: F401
     from ..model.registry import decoder_class
 
     codec = getattr(args, "codec", "bicodec")

@@ -970,6 +970,11 @@ MUTANTS: tuple[Mutant, ...] = (
       "loaded lone lane runs on one core", "bicodec_shm/server/lane_control.py",
       "len(batch.requests) != 1 or batch.queued != 1:", "len(batch.requests) != 1:",
       "tests/test_lane_tuner.py", "-k", "lone_measured_short"),
+    m("failed-construction-keeps-the-reserved-name", "a server that fails before its segment "
+      "exists leaves the name it reserved while the model loaded",
+      "bicodec_shm/protocol/names.py", "            release_name(reserved, name)\n        raise",
+      "            pass\n        raise",
+      "tests/test_server_signals.py", "-k", "releases_the_reserved_name"),
     # -- Qwen3-TTS's 12 Hz tokenizer against qwen-tts ---------------------------------------------
     m("qwen3-conv-pads-both-sides", "the causal convolutions pad half their history on the right "
       "(a 'same' convolution): not causal, and not upstream's audio",

@@ -21,7 +21,7 @@ from conftest import ROOT
 
 from bicodec_shm.client.decoder_client import DecoderClient
 from bicodec_shm.errors import BiCodecShmError
-from bicodec_shm.protocol.names import ServerState, leftover_objects, probe
+from bicodec_shm.protocol.names import ServerState, leftover_objects, probe, reserve_name
 
 PROMPT = 20.0  # seconds to exit after the signal (it takes 1-3 s on a loaded 2-core machine)
 _LAUNCH = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.{}); "
@@ -265,3 +265,17 @@ def test_an_interrupt_between_creating_the_name_and_reserving_it_leaves_nothing(
         names.reserve_name(shm_name)
     assert calls and leftover_objects(shm_name) == []
     assert set(locks._lock_fds) == before
+
+
+def test_a_server_that_fails_before_its_segment_releases_the_reserved_name(shm_name):
+    """A name reserved while the model loaded is released when the server's construction fails
+    before the segment takes it over: nothing is left, and the name can be reserved again."""
+    from support import reference_model
+
+    from bicodec_shm.server.server import DecoderServer
+
+    reserved = reserve_name(shm_name)
+    with pytest.raises(ValueError, match="max_batch"):
+        DecoderServer(reference_model(), shm_name, max_batch=0, reserved=reserved)
+    assert leftover_objects(shm_name) == []
+    DecoderServer(reference_model(), shm_name).close()

@@ -37,6 +37,8 @@ import secrets
 import stat
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import posix_ipc
 
@@ -171,6 +173,19 @@ def release_name(fd: int, name: str) -> None:
             _unlink_segment(name)
     finally:
         close_lock_fd(fd)
+
+
+@contextmanager
+def released_on_failure(reserved: int | None, name: str) -> Iterator[None]:
+    """Release ``reserved`` (``reserve_name``; None: nothing) if the block raises: until a
+    segment takes the reservation over, nothing else would, and the name would read as a
+    server starting."""
+    try:
+        yield
+    except BaseException:
+        if reserved is not None:
+            release_name(reserved, name)
+        raise
 
 
 def remove_dead(name: str) -> int:

@@ -53,7 +53,7 @@ from ..protocol.layout import (
     READY,
     Status,
 )
-from ..protocol.names import validate_name
+from ..protocol.names import released_on_failure, validate_name
 from ..protocol.posts import drain, post, take_post
 from ..protocol.segment import Segment
 from ..protocol.slot_io import Batch, Requests, check_headers, gather, publish_failure, ring
@@ -154,77 +154,72 @@ class DecoderServer:
         reserved: int | None = None,
         encoder: Any = None,
     ) -> None:
-        validate_name(name)
-        if max_batch_tokens == "auto":
-            max_batch_tokens = default_max_batch_tokens(device_of(decoder).type)
-        check_options(max_batch=max_batch, max_wait_ms=max_wait_ms, rejoin_ms=rejoin_ms,
-                      max_batch_tokens=max_batch_tokens, min_fill=min_fill, lanes=lanes)  # fmt: skip
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
-        self.decoder = decoder
-        self.name = name
-        self.max_batch = max_batch
-        self.max_wait_ms = max_wait_ms
-        self.rejoin_ms = rejoin_ms
-        self.max_batch_tokens = max_batch_tokens
-        self.min_fill = min_fill
-        self.reap_interval = reap_interval
-        self.device = device_of(decoder)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            exact_cuda_math()  # no TF32, deterministic cuDNN: batched rows stay exact
-        # A decoder that plays a device (the bench's stand-in) is served as a GPU is: one lane
-        # by default, not tuned; pipelined if it launches asynchronously (lanes.Runner).
-        device_like = cuda or bool(getattr(decoder, "device_shaped", False))
-        self._pipeline = cuda or bool(getattr(decoder, "asynchronous", False))
-        self._lanes = LaneControl(lanes, cores=torch.get_num_threads(), tunable=not device_like,
-                                  pipelined=self._pipeline, tuning=lane_tuning,
-                                  on_change=self._show_lanes)  # fmt: skip
-        self.max_lanes = self._lanes.max_lanes  # lane threads started
-        self._planner = BatchPlanner(max_batch=max_batch, max_batch_tokens=max_batch_tokens,
-                                     min_fill=min_fill, measured=batching == "auto",
-                                     prior_batches=device_like, latency_bound=not device_like)  # fmt: skip
-        self._policy = DispatchPolicy(dispatch, rejoin_ms=rejoin_ms, pipelined=self._pipeline)
-        self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
-        self._encoder = encoder_for(encoder, self.codec)  # its adapter, None without one
-        self.semantic_vocab = self.codec.level_vocab[0]
-        self.global_vocab = self.codec.global_vocab
-        self._pid = os.getpid()
-        self._stop = threading.Event()
-        self._forced = threading.Event()  # a second stop signal: do not wait for the lanes
-        self._serving = threading.Event()  # serve_forever has begun (in whichever thread)
-        self._stopped = threading.Event()
-        self._teardown_lock = threading.Lock()
-        # Slots in planned or running batches -> the seen time of the request that holds each (a
-        # new one for every confirmation: a slot held again, by another lane, is told apart).
-        self._held: dict[int, int] = {}
-        self._held_lock = threading.Lock()
-        self._counters = Counters()
-        # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
-        # order goes by this, not by a time the client wrote.
-        self._confirmed: dict[int, int] = {}
-        # The validated private copies of the confirmed slots' headers, checked once, when
-        # confirmed, in the chunks they were confirmed in: merged only when a batch is planned
-        # (a wake-up of the fill window costs no concatenation). Rows of slots no longer
-        # confirmed are dropped lazily.
-        self._checked: list[Requests] = []
-        self._rejoin = Rejoin(self._policy, rejoin_ms)  # the answered clients a lane may wait for
-        self._dispatch = threading.Lock()  # held by the lane that plans the next batch
-        self._next_reap = time.monotonic()
-        self._reap_asked = 0  # the header's ``slot_wanted`` when the reaper last ran (a hint)
-        self._lane_idle_since = [time.monotonic_ns()] * self.max_lanes
+        # Until the segment owns a name reserved while the model loaded, a failure releases it.
+        with released_on_failure(reserved, name):
+            validate_name(name)
+            if max_batch_tokens == "auto":
+                max_batch_tokens = default_max_batch_tokens(device_of(decoder).type)
+            check_options(max_batch=max_batch, max_wait_ms=max_wait_ms, rejoin_ms=rejoin_ms,
+                          max_batch_tokens=max_batch_tokens, min_fill=min_fill, lanes=lanes)  # fmt: skip
+            if batching not in BATCHING_MODES:
+                raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
+            self.decoder = decoder
+            self.name = name
+            self.max_batch = max_batch
+            self.max_wait_ms = max_wait_ms
+            self.rejoin_ms = rejoin_ms
+            self.max_batch_tokens = max_batch_tokens
+            self.min_fill = min_fill
+            self.reap_interval = reap_interval
+            self.device = device_of(decoder)
+            cuda = self.device.type == "cuda"
+            if cuda:
+                exact_cuda_math()  # no TF32, deterministic cuDNN: batched rows stay exact
+            # A decoder that plays a device (the bench's stand-in) is served as a GPU is: one lane
+            # by default, not tuned; pipelined if it launches asynchronously (lanes.Runner).
+            device_like = cuda or bool(getattr(decoder, "device_shaped", False))
+            self._pipeline = cuda or bool(getattr(decoder, "asynchronous", False))
+            self._lanes = LaneControl(lanes, cores=torch.get_num_threads(), tunable=not device_like,
+                                      pipelined=self._pipeline, tuning=lane_tuning,
+                                      on_change=self._show_lanes)  # fmt: skip
+            self.max_lanes = self._lanes.max_lanes  # lane threads started
+            self._planner = BatchPlanner(max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                                         min_fill=min_fill, measured=batching == "auto",
+                                         prior_batches=device_like,
+                                         latency_bound=not device_like)  # fmt: skip
+            self._policy = DispatchPolicy(dispatch, rejoin_ms=rejoin_ms, pipelined=self._pipeline)
+            self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
+            self._encoder = encoder_for(encoder, self.codec)  # its adapter, None without one
+            self.semantic_vocab = self.codec.level_vocab[0]
+            self.global_vocab = self.codec.global_vocab
+            self._pid = os.getpid()
+            self._stop = threading.Event()
+            self._forced = threading.Event()  # a second stop signal: do not wait for the lanes
+            self._serving = threading.Event()  # serve_forever has begun (in whichever thread)
+            self._stopped = threading.Event()
+            self._teardown_lock = threading.Lock()
+            # Slots in planned or running batches -> the seen time of the request that holds each (a
+            # new one for every confirmation: a slot held again, by another lane, is told apart).
+            self._held: dict[int, int] = {}
+            self._held_lock = threading.Lock()
+            self._counters = Counters()
+            # READY slots whose req.I was taken, not yet batched -> when (monotonic ns): the batch
+            # order goes by this, not by a time the client wrote.
+            self._confirmed: dict[int, int] = {}
+            # The validated private copies of the confirmed slots' headers, checked once, when
+            # confirmed, in the chunks they were confirmed in: merged only when a batch is planned
+            # (a wake-up of the fill window costs no concatenation). Rows of slots no longer
+            # confirmed are dropped lazily.
+            self._checked: list[Requests] = []
+            self._rejoin = Rejoin(self._policy, rejoin_ms)  # the answered clients a lane may wait for
+            self._dispatch = threading.Lock()  # held by the lane that plans the next batch
+            self._next_reap = time.monotonic()
+            self._reap_asked = 0  # the header's ``slot_wanted`` when the reaper last ran (a hint)
+            self._lane_idle_since = [time.monotonic_ns()] * self.max_lanes
         self._segment = Segment.create(
-            name,
-            n_slots=slots,
-            max_tokens=max_tokens,
-            mode=mode,
-            codec=self.codec,
-            max_batch=max_batch,
-            lanes=self.lanes,
-            wait=start_wait,
-            reserved=reserved,
-            encode_min_samples=0 if self._encoder is None else self._encoder.min_samples,
-        )
+            name, n_slots=slots, max_tokens=max_tokens, mode=mode, codec=self.codec, max_batch=max_batch,
+            lanes=self.lanes, wait=start_wait, reserved=reserved,
+            encode_min_samples=0 if self._encoder is None else self._encoder.min_samples)  # fmt: skip
         self.n_bells = slots
         try:  # from here on, a failure (or a Ctrl-C's KeyboardInterrupt) unlinks what was made
             self._segment.start_serving()
@@ -715,5 +710,4 @@ class DecoderServer:
         log.info("received %s: finishing the running batches, then stopping (send it again to "
                  "stop at once)", signal.Signals(signum).name)  # fmt: skip
         self.stop()
-
 

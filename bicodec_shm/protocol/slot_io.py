@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from ..codecs.layout import DEFAULT_NOISE_SEED, CodecLayout
 from .layout import (
     BUSY,
     DONE,
@@ -323,6 +324,27 @@ def _empty_requests() -> Requests:
     empty[2] = np.zeros((0, 3), np.uint64)
     return Requests(*empty, np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint32),
                     np.zeros(0, np.int64), np.zeros(0, np.uint32))  # fmt: skip
+
+
+def local_requests(lengths: np.ndarray) -> Requests:
+    """Headers of rows that come from no slot (a benchmark's batch, the server's warm-up):
+    slots ``0..B-1``, the (B,) int64 ``lengths``, no bell, the default noise seed, noise on,
+    start frame 0."""
+    b = len(lengths)
+    zeros = np.zeros(b, np.int64)
+    return Requests(slots=np.arange(b, dtype=np.int64), lengths=np.asarray(lengths, np.int64),
+                    ids=np.zeros((b, 3), np.uint64), dtypes=np.zeros(b, np.uint32),
+                    notify=np.full(b, NO_BELL, np.uint32), submitted_ns=zeros, seen_ns=zeros,
+                    noise_seeds=np.full(b, DEFAULT_NOISE_SEED, np.uint64), flags=np.zeros(b, np.uint32),
+                    start_frames=np.zeros(b, np.uint32))  # fmt: skip
+
+
+def zero_batch(codec: CodecLayout, rows: int, frames: int) -> Batch:
+    """``rows`` rows of ``frames`` frames of ``codec``, every code and global id 0 (a valid id
+    of every codec): a decode with a real batch's shapes (the server's warm-up)."""
+    levels = [np.zeros((rows, rate * frames), np.int64) for rate in codec.level_rates]
+    return Batch(local_requests(np.full(rows, frames, np.int64)), levels[0],
+                 np.zeros((rows, codec.n_global), np.int64), 0, tuple(levels[1:]))  # fmt: skip
 
 
 def _audio_fits(layout: Layout, samples: np.ndarray | int, n_tokens: np.ndarray | int) -> np.ndarray | bool:

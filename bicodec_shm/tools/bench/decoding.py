@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ...codecs.layout import DEFAULT_NOISE_SEED, CodecLayout, get_layout
-from ...protocol.layout import NO_BELL
-from ...protocol.slot_io import Batch, Requests
+from ...codecs.layout import CodecLayout, get_layout
+from ...protocol.slot_io import Batch, local_requests
 from .config import ModelSpec
 from .standin import StandInDecoder
 from .workload import Request, zero_request
@@ -67,12 +66,7 @@ def as_batch(requests: Sequence[Request], layout: CodecLayout) -> Batch:
     for j, r in enumerate(requests):
         if r.global_ids is not None:
             glob[j] = r.global_ids
-    zeros = np.zeros(b, np.int64)
-    meta = Requests(slots=np.arange(b, dtype=np.int64), lengths=lengths, ids=np.zeros((b, 3), np.uint64),
-                    dtypes=np.zeros(b, np.uint32), notify=np.full(b, NO_BELL, np.uint32),
-                    submitted_ns=zeros, seen_ns=zeros, noise_seeds=np.full(b, DEFAULT_NOISE_SEED, np.uint64),
-                    flags=np.zeros(b, np.uint32), start_frames=np.zeros(b, np.uint32))  # fmt: skip
-    return Batch(meta, levels[0], glob, 0, tuple(levels[1:]))
+    return Batch(local_requests(lengths), levels[0], glob, 0, tuple(levels[1:]))
 
 
 def decode_rows(adapter: Any, batch: Batch) -> np.ndarray:

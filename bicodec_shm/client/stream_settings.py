@@ -91,6 +91,18 @@ class StreamSettings:
         """Longest window of a one-chunk decode: ``left_context + chunk_tokens + lookahead``."""
         return self.left_context + self.chunk_tokens + self.lookahead
 
+    def opening_windows(self, count: int) -> list[int]:
+        """The lengths in tokens of the first ``count`` decodes of a stream whose tokens arrive
+        one at a time (what ``DecodeStream`` sends first; the ramp of ``first_chunk_tokens``
+        included), before any limit: a server prepares these shapes before serving."""
+        widths, emitted = [], 0
+        while len(widths) < count:
+            ramp = emitted < self.chunk_tokens and self.first_chunk < self.chunk_tokens
+            step = min(self.chunk_tokens, max(self.first_chunk, emitted)) if ramp else self.chunk_tokens
+            widths.append(emitted + step + self.lookahead - max(0, emitted - self.left_context))
+            emitted += step
+        return widths
+
     def fitted(self, limit: int) -> StreamSettings:
         """These settings cut down to windows of at most ``limit`` tokens (a server's
         ``--max-tokens``): the chunk first, then, below ``left_context + lookahead + 1``, the

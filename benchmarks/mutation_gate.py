@@ -131,8 +131,8 @@ MUTANTS: tuple[Mutant, ...] = (
     m("stop-signal-raises-inside-torch-import",
       "a stop signal raises while torch imports, where Python runs inside C++ callbacks and the "
       "exception can end the process in std::terminate, leaving the reserved name",
-      "bicodec_shm/tools/cli.py", "            startup.deferred()\n            from ..server.server",
-      "            from ..server.server", "tests/test_server_signals.py", "-k", "torch_imports"),
+      "bicodec_shm/tools/cli.py", "            startup.deferred()\n            from ..server.kernel_warmup",
+      "            from ..server.kernel_warmup", "tests/test_server_signals.py", "-k", "torch_imports"),
     m("f28-13-no-stack-dump-on-sigusr1", "SIGUSR1 does not print a serving server's stacks",
       "bicodec_shm/tools/cli.py", "    dumps = _register_stack_dumps()\n", "    dumps = False\n",
       "tests/test_server_signals.py", "-k", "sigusr1"),
@@ -970,6 +970,24 @@ MUTANTS: tuple[Mutant, ...] = (
       "loaded lone lane runs on one core", "bicodec_shm/server/lane_control.py",
       "len(batch.requests) != 1 or batch.queued != 1:", "len(batch.requests) != 1:",
       "tests/test_lane_tuner.py", "-k", "lone_measured_short"),
+    # -- kernels built before serving (server/kernel_warmup.py) ----------------------------------
+    m("warm-up-skips-one-thread", "the warm-up builds kernels at the lanes' shares of the cores "
+      "only, not at the one thread a lone short request runs on",
+      "bicodec_shm/server/lane_control.py", "return sorted({1} | {max(1, self.cores // lanes)",
+      "return sorted(set() | {max(1, self.cores // lanes)",
+      "tests/test_kernel_warmup.py", "-k", "one_thread_and_at_each"),
+    m("warm-up-ignores-its-budget", "a full-size decoder's warm-up runs every shape, seconds each, "
+      "before the server serves", "bicodec_shm/server/kernel_warmup.py",
+      "if time.perf_counter() - start >= budget_s:", "if time.perf_counter() - start >= 1e9:",
+      "tests/test_kernel_warmup.py", "-k", "budget"),
+    m("opening-windows-without-the-ramp", "the warm-up prepares whole chunks where a stream's "
+      "first windows ramp up (2, 4, 8 frames)", "bicodec_shm/client/stream_settings.py",
+      "ramp = emitted < self.chunk_tokens and self.first_chunk < self.chunk_tokens", "ramp = False",
+      "tests/test_kernel_warmup.py", "-k", "opening_windows"),
+    m("serve-keeps-onednn-cache-default", "serve leaves oneDNN's 1024 kernels, which a warm-up's "
+      "shapes fill", "bicodec_shm/tools/cli.py",
+      'os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))',
+      "KERNEL_CACHE_CAPACITY", "tests/test_kernel_warmup.py", "-k", "raises_the_kernel_cache"),
     m("failed-construction-keeps-the-reserved-name", "a server that fails before its segment "
       "exists leaves the name it reserved while the model loaded",
       "bicodec_shm/protocol/names.py", "            release_name(reserved, name)\n        raise",

@@ -76,6 +76,14 @@ class LaneControl:
         """Each CPU lane's share of the cores now (None on a device: the host threads only launch)."""
         return None if self.pipelined else max(1, self.cores // self.lanes)
 
+    def thread_counts(self) -> list[int]:
+        """Every intra-op thread count a lane may decode with: each arrangement's share of the
+        cores, and one (``one_thread_pays``); none on a device (its lanes only launch)."""
+        if self.pipelined:
+            return []
+        arrangements = self.tuner.candidates if self.tuner else [self.lanes]
+        return sorted({1} | {max(1, self.cores // lanes) for lanes in arrangements})
+
     def turn(self, lane: int, stop: threading.Event, poll: float) -> tuple[int | None, bool]:
         """Block while ``lane`` is parked; then (its thread count for the next batch, whether
         it was parked), or (None, ...) once ``stop`` is set."""

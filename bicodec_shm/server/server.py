@@ -35,7 +35,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,7 @@ from .batching import (
 from .counters import Counters
 from .dispatch_policy import DispatchPolicy
 from .encoding import encoder_for, one_kind, publish_result
+from .kernel_warmup import WARM_UP_ROWS, warm_up
 from .lane_control import LaneControl
 from .lane_tuner import LaneTuning
 from .lanes import STOP, WAIT, Decoded, Lane, Runner, lane_threads
@@ -122,6 +123,8 @@ class DecoderServer:
             the segment fails).
         encoder: an encoder of the served codec (``BiCodecEncoder``) to answer encode requests
             (``DecoderClient.encode``) too; None: the server says in its header that it does not.
+        warm_up_frames: on a CPU, window lengths (frames) whose kernels are built before the
+            segment serves (kernel_warmup.py; ``serve`` passes the first stream windows).
     """
 
     # Class-level defaults keep close() safe after a failed __init__.
@@ -153,6 +156,7 @@ class DecoderServer:
         metrics_host: str = "127.0.0.1",
         reserved: int | None = None,
         encoder: Any = None,
+        warm_up_frames: Sequence[int] = (),
     ) -> None:
         # Until the segment owns a name reserved while the model loaded, a failure releases it.
         with released_on_failure(reserved, name):
@@ -190,6 +194,9 @@ class DecoderServer:
             self._policy = DispatchPolicy(dispatch, rejoin_ms=rejoin_ms, pipelined=self._pipeline)
             self.codec = codec_adapter(decoder).layout  # the served codec, named in the header
             self._encoder = encoder_for(encoder, self.codec)  # its adapter, None without one
+            if warm_up_frames and self.device.type == "cpu" and not device_like:
+                warm_up(decoder, warm_up_frames, rows=min(WARM_UP_ROWS, max_batch),
+                        thread_counts=self._lanes.thread_counts())  # fmt: skip
             self.semantic_vocab = self.codec.level_vocab[0]
             self.global_vocab = self.codec.global_vocab
             self._pid = os.getpid()

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from .._version import __version__
+from ..client.stream_settings import StreamSettings
 from ..codecs.layout import MAX_FRAMES, default_max_frames, get_layout
 from ..errors import BiCodecShmError, ServerAlreadyRunningError
 from ..protocol.group import validate_group_name
@@ -173,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
                         "bicodec and qwen3-tts-12hz only. BiCodec: the encoder of --model-dir's "
                         "Spark-TTS folder, with its wav2vec2-large-xlsr-53/; qwen3-tts-12hz: the "
                         "speech tokenizer folder's encoder; default: off, no encoder is loaded)")  # fmt: skip
+    s.add_argument("--warm-up", choices=("auto", "none"), default="auto",
+                   help="auto: on a CPU, build the kernels of the first three windows of the "
+                        "codec's default stream, 1-4 rows at each lane thread count, before "
+                        "serving (2 s at most); none: each shape's kernels build at its first "
+                        "batch (default auto)")  # fmt: skip
     s.set_defaults(func=_cmd_serve, max_tokens=None)  # None: 30 s of the codec's audio
 
     st = sub.add_parser("stats", help="print a server's live counters; exits 0 only while it serves",
@@ -365,12 +371,16 @@ def _serve_one(args: argparse.Namespace) -> int:
             # A signal while torch imports would end the process where no clean-up runs
             # (import_model_code): it is only recorded then, and stops the start-up after.
             startup.deferred()
+            from ..server.kernel_warmup import KERNEL_CACHE_CAPACITY
             from ..server.server import DecoderServer
 
             import_model_code(args)
             startup.interruptible()
+            # Before the first convolution, which reads it (server/kernel_warmup.py).
+            os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
             decoder = load_decoder(args)
             encoder = load_encoder(args) if args.encode else None  # no --encode: nothing loaded
+            warm_up_frames = _warm_up_frames(args) if args.warm_up == "auto" else []
         except BaseException:
             release_name(reserved, args.name)
             raise
@@ -393,6 +403,7 @@ def _serve_one(args: argparse.Namespace) -> int:
             mode=args.mode,
             reserved=reserved,
             encoder=encoder,
+            warm_up_frames=warm_up_frames,
         )
         startup.hand_to(server)
         how = ("SIGINT is ignored here, as in a background job: stop it with SIGTERM"
@@ -400,6 +411,15 @@ def _serve_one(args: argparse.Namespace) -> int:
         print(f"bicodec-shm: serving on {args.name!r} ({how})", file=sys.stderr, flush=True)
         server.serve_forever()
     return 0
+
+
+def _warm_up_frames(args: argparse.Namespace) -> list[int]:
+    """The first windows of a stream of the served codec's default preset, fitted to the
+    server's --max-tokens: the shapes its clients' streams open with."""
+    from ..server.kernel_warmup import WARM_UP_WINDOWS  # torch is imported by now (_serve_one)
+
+    settings = StreamSettings.preset("default", args.codec).fitted(args.max_tokens)
+    return settings.opening_windows(WARM_UP_WINDOWS)
 
 
 def check_server_args(args: argparse.Namespace) -> None:

@@ -110,7 +110,7 @@ def run_workers(target: Callable[..., list[Record]], workers: int, settings: dic
     # interpreter's teardown), and a worker that finished early would take it from the decodes
     # still running, which a serving loop's long-lived workers never do. Without this, 32
     # Spark-TTS workers through the shared server saw their last utterance's slowest first
-    # audio at 3.8 s against 2.0-2.4 s for the earlier ones.
+    # audio at 3.8 s against 2.0-2.4 s for their first and second (2026-12-07, 2-core CPU).
     finished = ctx.Barrier(workers)
     procs = [ctx.Process(target=_worker, args=(target, i, settings, barrier, results, finished),
                          daemon=True) for i in range(workers)]  # fmt: skip

@@ -81,11 +81,11 @@ def warm_up(decoder: object, frames: Sequence[int], *, rows: int, thread_counts:
                 done.append((r, f, t))
     except Exception as exc:
         log.warning("serving without prebuilt kernels: the warm-up failed (%s: %s)", type(exc).__name__, exc)
-        return WarmUp(tuple(done), time.perf_counter() - start, len(plan))
+    else:
+        log.info("kernels built for %d of %d shapes (1-%d rows of %s frames, %s threads) in %.2f s%s",
+                 len(done), len(plan), rows, sorted(set(frames)), sorted(set(thread_counts)),
+                 time.perf_counter() - start,
+                 "" if len(done) == len(plan) else f" (the {budget_s:g} s budget)")  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    result = WarmUp(tuple(done), time.perf_counter() - start, len(plan))
-    log.info("kernels built for %d of %d shapes (1-%d rows of %s frames, %s threads) in %.2f s%s",
-             len(done), len(plan), rows, sorted(set(frames)), sorted(set(thread_counts)), result.seconds,
-             "" if len(done) == len(plan) else f" (the {budget_s:g} s budget)")  # fmt: skip
-    return result
+    return WarmUp(tuple(done), time.perf_counter() - start, len(plan))

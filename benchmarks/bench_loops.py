@@ -29,6 +29,16 @@ its own decoders', TTFA p95 at most theirs and no more late chunks; at one worke
 within 5 %. Progress goes to stderr, one line per example run.
 
     python benchmarks/bench_loops.py --loops orpheus_tts --workers 16 --repeats 5
+
+``--control`` runs a decoder in every worker a second time, after the shared server (own,
+shared, own again), and applies the same criterion to that second run against the first, as if
+it were the shared one (``control`` rows, ``control meets``). Two runs of the same decoders
+differ only by noise, so this says how often the criterion holds by chance in that cell: where
+the loop is bound by its language model's pace and both modes sit at the same floor, about half
+the time, and a shared server that meets it no more often than its control is level with its
+own decoders, neither better nor worse.
+
+    python benchmarks/bench_loops.py --workers 4 --min-samples 96 --repeats 3 --control
 """
 
 from __future__ import annotations
@@ -57,7 +67,8 @@ def utterances_for(workers: int, utterances: int, min_samples: int) -> int:
 
 
 def run_loop(loop: str, size: str, workers: list[int], utterances: int, extra: list[str]) -> dict:
-    """One example's run over ``workers``: its machine line and rows (``examples.dropin_load``)."""
+    """One example's run over ``workers``: its machine line and rows (``examples.dropin_load``);
+    ``extra`` may repeat a mode (``--modes own shared own``: ``label_controls``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", f"examples.{loop}.run", "--preset", size, "--workers",
@@ -69,12 +80,25 @@ def run_loop(loop: str, size: str, workers: list[int], utterances: int, extra: l
             return json.load(f)
 
 
+def label_controls(rows: list[dict]) -> list[dict]:
+    """The second ``own`` row of each worker count becomes its ``control`` (``--control``: the
+    example ran own, shared, own)."""
+    seen = set()
+    for r in rows:
+        if r["mode"] == "own":
+            if r["streams"] in seen:
+                r["mode"] = "control"
+            seen.add(r["streams"])
+    return rows
+
+
 def ratios(rows: list[dict]) -> list[dict]:
-    """Each shared row gains ``vs_own``: its audio per second and TTFA p95 over the own row's."""
+    """Each shared (and control) row gains ``vs_own``: its audio per second and TTFA p95 over
+    the own row's."""
     own = {r["streams"]: r for r in rows if r["mode"] == "own"}
     for r in rows:
         o = own.get(r["streams"])
-        if r["mode"] == "shared" and o is not None:
+        if r["mode"] in ("shared", "control") and o is not None:
             r["vs_own"] = {"audio_s_per_s": r["audio_s_per_s"] / o["audio_s_per_s"],
                            "ttfa_p95": r["ttfa_p95_ms"] / o["ttfa_p95_ms"]}  # fmt: skip
     return rows
@@ -96,22 +120,29 @@ def spread(values: list[float]) -> dict:
 
 def repeated(cells: list[dict]) -> list[dict]:
     """Per loop, size and worker count, over the repeats of ``cells``: the shared server's
-    ratios to its own decoders' (median, min, max), both modes' late chunks (median), and in how
-    many paired runs it ``meets`` the criterion."""
+    ratios to its own decoders' (median, min, max), both modes' late chunks (median), in how
+    many paired runs it ``meets`` the criterion, and, where the cells have ``control`` rows, in
+    how many of those the control met it (``control_meets`` of ``control_runs``)."""
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    controls: dict[tuple, list[bool]] = {}
     for c in cells:
         own = {r["streams"]: r for r in c["rows"] if r["mode"] == "own"}
         for r in c["rows"]:
+            key = (c["loop"], c["size"], r["streams"])
             if r["mode"] == "shared" and r["streams"] in own:
-                groups.setdefault((c["loop"], c["size"], r["streams"]), []).append((r, own[r["streams"]]))
+                groups.setdefault(key, []).append((r, own[r["streams"]]))
+            elif r["mode"] == "control" and r["streams"] in own:
+                controls.setdefault(key, []).append(meets(r, own[r["streams"]]))
     out = []
     for (loop, size, streams), pairs in groups.items():
+        control = controls.get((loop, size, streams), [])
         out.append({"loop": loop, "size": size, "streams": streams, "runs": len(pairs),
                     "audio_vs_own": spread([s["vs_own"]["audio_s_per_s"] for s, _ in pairs]),
                     "p95_vs_own": spread([s["vs_own"]["ttfa_p95"] for s, _ in pairs]),
                     "late_own": statistics.median(o["late_chunks"] for _, o in pairs),
                     "late_shared": statistics.median(s["late_chunks"] for s, _ in pairs),
-                    "meets": sum(meets(s, o) for s, o in pairs)})  # fmt: skip
+                    "meets": sum(meets(s, o) for s, o in pairs),
+                    "control_runs": len(control), "control_meets": sum(control)})  # fmt: skip
     return out
 
 
@@ -121,12 +152,15 @@ def repeated_table(summary: list[dict]) -> str:
 
     head = (f"{'loop':<12} {'size':<5} {'N':>3} {'runs':>4} {'audio vs own':>20} {'p95 vs own':>20} "
             f"{'late own':>8} {'late shared':>11} {'meets':>6}")  # fmt: skip
+    with_control = any(g.get("control_runs") for g in summary)
+    head += f" {'control meets':>13}" if with_control else ""
     lines = [head, "-" * len(head)]
     for g in summary:
+        control = f" {g['control_meets']:>10}/{g['control_runs']:<2}" if with_control else ""
         lines.append(f"{g['loop']:<12} {g['size']:<5} {g['streams']:>3} {g['runs']:>4} "
                      f"{shown(g['audio_vs_own']):>20} {shown(g['p95_vs_own']):>20} "
                      f"{g['late_own']:>8g} {g['late_shared']:>11g} "
-                     f"{g['meets']:>3}/{g['runs']:<2}")  # fmt: skip
+                     f"{g['meets']:>3}/{g['runs']:<2}{control}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -170,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                    help='more options for every example, e.g. "--rate 2000" (see each --help)')  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
                    help="run everything this many times and summarise the paired runs")  # fmt: skip
+    p.add_argument("--control", action="store_true",
+                   help="run each cell's own decoders again after the shared server, and judge that "
+                        "run against the first by the same criterion: how often it holds by chance")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write every row here")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -180,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             for loop in args.loops:
                 extra = ["--device", args.device, *shlex.split(args.example_args)]
+                if args.control:
+                    extra += ["--modes", "own", "shared", "own"]
                 rows, machine = [], None
                 for n in args.workers:  # one example run per count: each its own utterances
                     each = utterances_for(n, args.utterances, args.min_samples)
@@ -187,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{size}: workers [{n}], {each} utterances each ...",
                           file=sys.stderr, flush=True)  # fmt: skip
                     got = run_loop(loop, size, [n], each, extra)
-                    rows += got["rows"]
+                    rows += label_controls(got["rows"])
                     machine = machine or got["machine"]
                 cells.append({"loop": loop, "size": size, "repeat": repeat, "machine": machine,
                               "rows": ratios(rows)})  # fmt: skip
@@ -198,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = repeated(cells)
     if args.repeats > 1:
         print(f"\nover {args.repeats} paired runs: median ratio (min-max), median late chunks, and in "
-              "how many runs the shared server met the criterion")  # fmt: skip
+              "how many runs the shared server met the criterion"
+              + (" (control: its own decoders' second run, judged alike)" if args.control else ""))  # fmt: skip
         print(repeated_table(summary))
     if args.json:
         with open(args.json, "w") as f:

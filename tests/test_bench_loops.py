@@ -66,6 +66,32 @@ def test_repeats_are_summarised_per_loop_and_worker_count_as_medians_and_ranges(
     assert "1.10x (1.00-1.20)" in text and "0.90x (0.80-1.00)" in text and "2/3" in text
 
 
+def test_the_second_own_row_of_a_worker_count_is_its_control_judged_like_the_shared_one():
+    rows = bench_loops.label_controls([_row("own", 4, 10.0, 100), _row("shared", 4, 10.0, 99),
+                                       _row("own", 4, 9.9, 101), _row("own", 16, 5.0, 80)])  # fmt: skip
+    assert [r["mode"] for r in rows] == ["own", "shared", "control", "own"]
+    rows = bench_loops.ratios(rows)
+    assert rows[2]["vs_own"] == {"audio_s_per_s": pytest.approx(0.99), "ttfa_p95": pytest.approx(1.01)}
+    assert bench_loops.meets(rows[1], rows[0]) and not bench_loops.meets(rows[2], rows[0])
+
+
+def test_repeats_count_how_often_the_control_met_the_criterion_beside_the_shared_server():
+    runs = [  # the control (own again) meets by chance in the second run only
+        [_row("own", 4, 10.0, 100), _row("shared", 4, 10.0, 99), _row("own", 4, 9.9, 100)],
+        [_row("own", 4, 10.0, 100), _row("shared", 4, 10.1, 98), _row("own", 4, 10.0, 100)],
+        [_row("own", 4, 10.0, 100), _row("shared", 4, 10.0, 101), _row("own", 4, 10.0, 102)],
+    ]
+    cells = [{"loop": "orpheus_tts", "size": "tiny", "repeat": i,
+              "rows": bench_loops.ratios(bench_loops.label_controls(rows))} for i, rows in enumerate(runs)]  # fmt: skip
+    group, = bench_loops.repeated(cells)
+    assert (group["meets"], group["control_meets"], group["control_runs"]) == (2, 1, 3)
+    assert group["p95_vs_own"]["max"] == pytest.approx(1.01)  # the controls are not the shared rows
+    header, _, line = bench_loops.repeated_table([group]).splitlines()
+    assert header.endswith("control meets") and line.split()[-2:] == ["2/3", "1/3"]
+    plain = {**group, "control_runs": 0, "control_meets": 0}
+    assert "control" not in bench_loops.repeated_table([plain])
+
+
 @pytest.mark.parametrize("workers, utterances, min_samples, each", [
     (1, 3, 32, 32), (4, 3, 32, 8), (16, 3, 32, 3), (32, 3, 32, 3), (5, 1, 32, 7), (2, 4, 0, 4),
 ])  # fmt: skip
@@ -81,17 +107,19 @@ def test_a_ratio_within_the_noise_of_one_is_marked(ratio, shown):
     assert bench_loops.ratio_text(ratio) == shown
 
 
-def test_a_short_run_of_one_loop_gives_both_modes_with_every_core(tmp_path):
+def test_a_short_run_of_one_loop_gives_both_modes_with_every_core_and_the_control(tmp_path):
     out = tmp_path / "loops.json"
     proc = subprocess.run([sys.executable, SCRIPT, "--loops", "qwen3_tts", "--workers", "2",
-                           "--utterances", "1", "--min-samples", "4",
+                           "--utterances", "1", "--min-samples", "4", "--control",
                            "--example-args", "--rate 2000 --frames 8",
                            "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "qwen3_tts tiny: workers [2], 2 utterances each" in proc.stderr and "audio vs own" in proc.stdout
     cell, = json.loads(out.read_text())["cells"]
-    own, shared = cell["rows"]
+    own, shared, control = cell["rows"]
+    assert (control["mode"], control["threads"], control["audio_s"]) == ("control", own["threads"], own["audio_s"])
+    assert control["vs_own"]["ttfa_p95"] == pytest.approx(control["ttfa_p95_ms"] / own["ttfa_p95_ms"])
     cores = os.cpu_count()
     assert (own["mode"], own["threads"]) == ("own", max(1, cores // 2))
     assert (shared["mode"], shared["threads"]) == ("shared", cores)

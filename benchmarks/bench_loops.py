@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="run everything this many times and summarise the paired runs")  # fmt: skip
     p.add_argument("--control", action="store_true",
-                   help="run each cell's own decoders again after the shared server, and judge that "
-                        "run against the first by the same criterion: how often it holds by chance")  # fmt: skip
+                   help="run each cell's own decoders again after the shared server, and judge "
+                        "that run against the first by the same criterion: how often it holds "
+                        "by chance")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write every row here")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats > 1:
         print(f"\nover {args.repeats} paired runs: median ratio (min-max), median late chunks, and in "
               "how many runs the shared server met the criterion"
-              + (" (control: its own decoders' second run, judged alike)" if args.control else ""))  # fmt: skip
+              + (" (control: the own decoders' second run, judged alike)" if args.control else ""))
         print(repeated_table(summary))
     if args.json:
         with open(args.json, "w") as f:

@@ -33,10 +33,10 @@ within 5 %. Progress goes to stderr, one line per example run.
 ``--control`` runs a decoder in every worker a second time, after the shared server (own,
 shared, own again), and applies the same criterion to that second run against the first, as if
 it were the shared one (``control`` rows, ``control meets``). Two runs of the same decoders
-differ only by noise, so this says how often the criterion holds by chance in that cell: where
-the loop is bound by its language model's pace and both modes sit at the same floor, about half
-the time, and a shared server that meets it no more often than its control is level with its
-own decoders, neither better nor worse.
+differ only by noise, so this says how often the criterion holds by chance in that cell (it
+asks three things at once, so even two equal runs fail it more often than not: 3 of 9 runs at
+four workers, benchmarks/RESULTS.md), and a shared server that meets it no more often than its
+control is level with its own decoders, neither better nor worse.
 
     python benchmarks/bench_loops.py --workers 4 --min-samples 96 --repeats 3 --control
 """
